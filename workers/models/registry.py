@@ -1,0 +1,24 @@
+"""Architecture name (HF ``config.architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from workers.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(config) -> type:
+    """The class that serves ``config``.
+
+    Raises:
+        ValueError: the architecture is not supported.
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) == "llama":
+        archs = ["LlamaForCausalLM"]
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(MODEL_REGISTRY)}")

@@ -1,0 +1,72 @@
+"""Fill a model's parameters from a checkpoint, each through its own ``weight_loader``.
+
+For every parameter we name the checkpoint tensor(s) it comes from (undoing the model's
+``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj``/``k_proj``/``v_proj``), then let the
+parameter read its own slice. Iterating parameters (not checkpoint tensors) means a missing
+tensor is reported by name before the model can run with garbage.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
+
+
+def default_weight_loader(param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
+    """Copy a replicated tensor whole, checking its shape."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+    param.data.copy_(tensor.load())
+
+
+def checkpoint_sources(model: nn.Module, param_name: str, ckpt: Checkpoint) -> list[tuple[str, int]]:
+    """The ``(checkpoint tensor name, shard id)`` pairs that make up parameter ``param_name``."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    for packed in {p for p, _ in mapping.values()}:
+        if f".{packed}." in param_name:
+            return [(param_name.replace(f".{packed}.", f".{part}."), shard_id)
+                    for part, (p, shard_id) in mapping.items() if p == packed]
+    if param_name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False) and param_name not in ckpt:
+        return [("model.embed_tokens.weight", 0)]
+    return [(param_name, 0)]
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> int:
+    """Load every parameter of ``model`` from ``ckpt``.
+
+    Returns:
+        bytes of parameters loaded on this rank.
+
+    Raises:
+        CheckpointError: a tensor is missing, has the wrong shape, or cannot be read.
+    """
+    params = dict(model.named_parameters())
+    total = 0
+    for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", file=sys.stderr,
+                            disable=not progress, leave=False):
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        for ckpt_name, shard_id in checkpoint_sources(model, name, ckpt):
+            loader(param, ckpt.require(ckpt_name), shard_id)
+        total += param.numel() * param.element_size()
+    return total
+
+
+@torch.no_grad()
+def build_model(config, ckpt: Checkpoint, tensor_split: list[float] | None = None,
+                dtype: torch.dtype = torch.float32, progress: bool = True) -> tuple[nn.Module, int]:
+    """Construct the model class for ``config`` and load this rank's weights.
+
+    Returns:
+        ``(model in eval mode, weight bytes on this rank)``.
+    """
+    from workers.models.registry import model_class
+
+    model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)
+    weight_bytes = load_weights(model, ckpt, progress)
+    return model.eval(), weight_bytes
