@@ -152,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *ranges[rank],
                                       sizes=[size for _, size in ranges], dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one copy, same vocab partition
 
     def attention_layers(self) -> list[LlamaAttention]:
         """The modules that own a slice of the KV cache, in layer order."""

@@ -1,0 +1,45 @@
+"""Engine arguments shared by the CLI, the single-process engine and the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.model_source import DEFAULT_MODEL
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything needed to build an engine for one model replica.
+
+    Attributes:
+        model: known model name, ``.gguf`` file, or HF checkpoint folder.
+        block_size: tokens per KV block.
+        kv_cache_gib: KV cache budget per rank, GiB (ignored when ``num_blocks`` is set).
+        num_blocks: exact KV blocks per rank.
+        max_num_seqs / max_num_batched_tokens: per-step limits of the scheduler.
+        max_model_len: context length cap (default: the model's).
+        enable_prefix_caching: reuse KV blocks of equal prompt prefixes.
+        seed: seed of the generator used by unseeded sampled requests.
+        tensor_parallel_size / tensor_split: TP ranks and their relative shares (uneven splits).
+    """
+
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    tensor_split: list[float] | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError for inconsistent settings."""
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_split is not None and len(self.tensor_split) != self.tensor_parallel_size:
+            raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")

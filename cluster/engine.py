@@ -1,0 +1,171 @@
+"""Engine core: ``step = schedule -> execute -> update`` over any executor.
+
+The executor runs a :class:`workers.messages.StepPlan` and returns rank 0's
+:class:`workers.messages.StepResult`: a local :class:`workers.model_runner.ModelRunner` in one
+process, or the Ray worker group in the cluster. Everything here is CPU-only bookkeeping:
+validation, scheduling, stop conditions, detokenization, finish reasons, usage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from cluster.block_manager import BlockManager
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.request import Logprob, Request, RequestStatus, SamplingParams
+from cluster.scheduler import Scheduler, SchedulerConfig
+from workers.messages import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a streaming delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[Logprob]
+    finished: bool
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class EngineCore:
+    """Scheduler + block manager + detokenizers in front of an executor.
+
+    Args:
+        executor: runs step plans.
+        tokenizer: transformers tokenizer (for detokenization).
+        num_blocks / block_size: the KV pool (the minimum over all ranks).
+        scheduler_config: budgets; ``max_model_len`` is capped to what the pool can hold.
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+        vocab_size: the model's vocabulary (prompt ids must be below it).
+    """
+
+    def __init__(self, executor: Executor, tokenizer, num_blocks: int, block_size: int,
+                 scheduler_config: SchedulerConfig, eos_token_ids: set[int], vocab_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.executor = executor
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        scheduler_config.max_model_len = min(scheduler_config.max_model_len, num_blocks * block_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.max_model_len = scheduler_config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request the engine cannot serve (message says why)."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; this model's context length is "
+                             f"{self.max_model_len} tokens (prompt + at least one output token)")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            ValueError: invalid parameters or prompt (see :meth:`validate`), or a duplicate id.
+        """
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.requests[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop))
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request and free its blocks (no-op for unknown or finished ids)."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is not None:
+            self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, and turn the samples into per-request deltas."""
+        batch = self.scheduler.schedule()
+        if not batch.plan.scheduled:
+            return []
+        result = self.executor.execute(batch.plan)
+        for request in batch.requests:
+            self.block_manager.cache_full_blocks(request)
+        outputs = []
+        for sampled in result.sampled:
+            tracked = self.requests.get(sampled.req_id)
+            if tracked is None:
+                continue
+            outputs.append(self._append(tracked, sampled))
+        return outputs
+
+    def _append(self, tracked: _Tracked, sampled) -> RequestOutput:
+        request = tracked.request
+        now = time.monotonic()
+        request.first_token_time = request.first_token_time or now
+        request.output_token_ids.append(sampled.token_id)
+        new_logprobs = []
+        if sampled.logprob is not None:
+            new_logprobs.append(Logprob(sampled.token_id, sampled.logprob, sampled.top_logprobs or []))
+            request.logprobs.extend(new_logprobs)
+        status = self._check_stop(request, tracked.detokenizer, sampled.token_id)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request.request_id, [sampled.token_id], tracked.detokenizer.delta(final=status is not None),
+            new_logprobs, status is not None, status.finish_reason if status else None,
+            request.num_prompt_tokens, request.num_output_tokens)
+
+    def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
+        params = request.params
+        is_eos = not params.ignore_eos and token_id in request.eos_token_ids
+        if is_eos or token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        detok.add(token_id)
+        if detok.stopped:
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with ``finish_reason="error"`` (e.g. a worker died)."""
+        outputs = []
+        for request_id, tracked in list(self.requests.items()):
+            request = tracked.request
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            del self.requests[request_id]
+            outputs.append(RequestOutput(request_id, [], "", [], True, "error",
+                                         request.num_prompt_tokens, request.num_output_tokens, error=message))
+        return outputs

@@ -1,0 +1,76 @@
+"""Single-process engine: tokenizer + local model runner + engine core, with a batch ``generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import EngineArgs
+from cluster.engine import EngineCore
+from cluster.request import Logprob, SamplingParams
+from cluster.scheduler import SchedulerConfig
+from cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
+from workers.model_runner import ModelRunner, RunnerConfig
+from workers.model_source import load_config, resolve_model
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[Logprob]
+
+
+class LLM:
+    """Everything in this process (TP=1). The cluster's coordinator uses the same
+    :class:`EngineCore` with Ray shard workers instead of the local runner.
+
+    Args:
+        args: engine arguments (``tensor_parallel_size`` must be 1 here).
+        progress: show the weight-loading progress bar (stderr).
+    """
+
+    def __init__(self, args: EngineArgs, progress: bool = True) -> None:
+        args.validate()
+        if args.tensor_parallel_size != 1:
+            raise ValueError("the single-process engine runs TP=1; use the cluster for tensor parallelism")
+        self.args = args
+        self.files = resolve_model(args.model)
+        self.hf_config = load_config(self.files)
+        self.tokenizer = load_tokenizer(self.files)
+        self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
+            block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+            num_blocks=args.num_blocks, seed=args.seed), progress=progress)
+        max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        self.core = EngineCore(
+            self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
+            eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
+            args.enable_prefix_caching)
+
+    def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a raw prompt (str), a chat (list of messages), or ids as given."""
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return encode_chat(self.tokenizer, prompt)
+        return list(prompt)
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run all ``prompts`` together (continuous batching) to completion, in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.core.add_request(self.encode(p), sp) for p, sp in zip(prompts, params_list)]
+        results = {i: Completion(i, self.core.requests[i].request.prompt_token_ids, [], "", None, []) for i in ids}
+        while self.core.has_unfinished():
+            for out in self.core.step():
+                done = results[out.request_id]
+                done.token_ids += out.new_token_ids
+                done.text += out.new_text
+                done.logprobs += out.new_logprobs
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+        return [results[i] for i in ids]

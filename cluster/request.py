@@ -1,0 +1,123 @@
+"""A request's state inside the coordinator: tokens, progress, blocks, sampling settings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from workers.messages import SamplingOptions
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle; every status above PREEMPTED is final (vLLM's ordering trick)."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What a user asks for (OpenAI / vLLM semantics).
+
+    Attributes:
+        max_tokens: output tokens at most (>= 1); None = up to the context length.
+        temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
+        seed: per-request seed, makes sampling reproducible.
+        stop: strings that end the output (not included in it).
+        stop_token_ids: token ids that end the output (in addition to EOS unless ignore_eos).
+        logprobs: None, or N >= 0 = the chosen token's logprob plus the top-N.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    def sampling_options(self) -> SamplingOptions:
+        """The subset rank 0's sampler needs."""
+        return SamplingOptions(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, self.seed, self.logprobs)
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Logprob of one emitted token and the top alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. ``num_computed_tokens`` chases ``num_tokens`` (vLLM's scheduling rule):
+    prefill, chunked prefill, prefix-cache hits and decode are all "compute the missing tokens".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    sent_to_workers: bool = False       # workers hold state for it (cleared on preemption)
+    num_sent_blocks: int = 0            # how many of block_ids the workers have been told about
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

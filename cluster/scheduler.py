@@ -1,0 +1,131 @@
+"""Continuous-batching scheduler: one rule, computed tokens chase the target (vLLM v1).
+
+Each step fills a token budget: running requests first (a decode costs one token, an unfinished
+prefill continues as a chunk), then waiting requests in arrival order (a prefix-cache hit counts
+as already computed). When the pool runs out of blocks the newest running request is preempted
+(its blocks freed, recomputed later). The output is a :class:`workers.messages.StepPlan`: new
+requests in full once, then per-step diffs (tokens to compute, blocks added).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.block_manager import BlockManager
+from cluster.request import Request, RequestStatus
+from workers.messages import NewRequestData, ScheduledRequest, StepPlan
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64                 # sequences in one step at most
+    max_num_batched_tokens: int = 2048     # token budget of one step (prefill chunks included)
+    max_model_len: int = 8192              # context length at most (prompt + output)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's plan plus the coordinator-side view of it."""
+
+    plan: StepPlan
+    requests: list[Request] = field(default_factory=list)   # same order as plan.scheduled
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates blocks through the block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []   # to tell the workers in the next plan
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (stop, length, abort or error) and free its blocks. Idempotent."""
+        assert status.finished, status
+        if request.status.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        if request.sent_to_workers:
+            self._finished_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        if request.sent_to_workers:
+            self._finished_ids.append(request.request_id)
+        request.sent_to_workers, request.num_sent_blocks = False, 0
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work and build its plan; advances ``num_computed_tokens``."""
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.block_manager.allocate_slots(request, num_new, hits):
+                break
+            request.num_computed_tokens = num_hit_tokens
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+        return self._build_plan(chosen, preempted)
+
+    def _build_plan(self, chosen: list[tuple[Request, int]], preempted: list[Request]) -> ScheduledBatch:
+        plan = StepPlan(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        batch = ScheduledBatch(plan, preempted=preempted)
+        for request, num_new in chosen:
+            if not request.sent_to_workers:
+                plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options()))
+                request.sent_to_workers = True
+            start = request.num_computed_tokens
+            plan.scheduled.append(ScheduledRequest(
+                req_id=request.request_id,
+                token_ids=request.all_token_ids[start:start + num_new],
+                start_pos=start,
+                new_block_ids=request.block_ids[request.num_sent_blocks:],
+                sample=start + num_new == request.num_tokens,
+                output_index=request.num_output_tokens,
+            ))
+            request.num_sent_blocks = len(request.block_ids)
+            request.num_computed_tokens += num_new
+            batch.requests.append(request)
+        return batch
