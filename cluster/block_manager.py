@@ -125,6 +125,12 @@ class BlockManager:
             self.cached.setdefault(block.hash, block.block_id)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. after the KV contents were changed outside this manager)."""
+        for block in self.blocks:
+            block.hash, block.token_ids = None, None
+        self.cached.clear()
+
     def free(self, request: Request) -> None:
         """Drop ``request``'s references. Its tail blocks go to the free queue first, so they are
         evicted before the shared prefix blocks."""
