@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from workers.gguf_names import gguf_to_hf_name
+from workers.gguf_names import GGUF_TO_HF, gguf_to_hf_name
 
 
 class CheckpointError(RuntimeError):
@@ -177,6 +177,8 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot parse GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from exc
         self.arch = self.metadata("general.architecture")
+        if self.arch not in GGUF_TO_HF:
+            raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported (known: {sorted(GGUF_TO_HF)})")
         self.num_heads = num_heads or self.metadata(f"{self.arch}.attention.head_count")
         self.num_kv_heads = num_kv_heads or self.metadata(f"{self.arch}.attention.head_count_kv", self.num_heads)
         self._tensors = {}

@@ -1,0 +1,86 @@
+"""Scheduler: token budget, chunked prefill, decode, preemption and resume (CPU only, no model)."""
+
+from __future__ import annotations
+
+from cluster.block_manager import BlockManager
+from cluster.request import Request, RequestStatus, SamplingParams
+from cluster.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=8):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), bm)
+
+
+def finish_step(batch, next_token=0):
+    """What the engine does after a step: append a token to every request that sampled."""
+    for req, sched in zip(batch.requests, batch.plan.scheduled):
+        if sched.sample:
+            req.output_token_ids.append(next_token)
+
+
+def test_chunked_prefill_then_decode():
+    s = make_scheduler(budget=8)
+    req = Request("a", list(range(13)), SamplingParams())
+    s.add(req)
+    b1 = s.schedule()
+    assert [len(x.token_ids) for x in b1.plan.scheduled] == [8] and not b1.plan.scheduled[0].sample
+    assert [n.req_id for n in b1.plan.new_requests] == ["a"]
+    assert b1.plan.scheduled[0].new_block_ids == [0, 1]
+    finish_step(b1)
+    b2 = s.schedule()
+    sched = b2.plan.scheduled[0]
+    assert (sched.start_pos, sched.token_ids, sched.sample) == (8, list(range(8, 13)), True)
+    assert sched.new_block_ids == [2, 3] and not b2.plan.new_requests
+    finish_step(b2, next_token=77)
+    b3 = s.schedule()
+    assert b3.plan.scheduled[0].token_ids == [77] and b3.plan.scheduled[0].start_pos == 13
+    assert b3.plan.scheduled[0].output_index == 1
+
+
+def test_budget_shared_running_first():
+    s = make_scheduler(budget=6)
+    a, b = Request("a", [1, 2, 3], SamplingParams()), Request("b", [4, 5, 6, 7, 8], SamplingParams())
+    s.add(a), s.add(b)
+    b1 = s.schedule()
+    assert [(x.req_id, len(x.token_ids)) for x in b1.plan.scheduled] == [("a", 3), ("b", 3)]
+    finish_step(b1)
+    b2 = s.schedule()
+    assert [(x.req_id, len(x.token_ids)) for x in b2.plan.scheduled] == [("a", 1), ("b", 2)]
+
+
+def test_preempts_newest_and_resumes():
+    s = make_scheduler(num_blocks=4, block_size=2, budget=16)
+    a, b = Request("a", [1, 2, 3], SamplingParams()), Request("b", [4, 5, 6], SamplingParams())
+    s.add(a), s.add(b)
+    finish_step(s.schedule())               # a: 2 blocks, b: 2 blocks, pool empty
+    finish_step(s.schedule())               # 4th token of each still fits their 2nd block
+    assert s.block_manager.num_free_blocks == 0
+    batch = s.schedule()                     # a needs a 3rd block -> b (newest) is preempted
+    assert [r.request_id for r in batch.preempted] == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert [x.req_id for x in batch.plan.scheduled] == ["a"]
+    assert batch.plan.finished_req_ids == ["b"]  # workers drop b's state in this very step
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    resumed = s.schedule()
+    assert resumed.plan.finished_req_ids == ["a"]
+    assert [n.req_id for n in resumed.plan.new_requests] == ["b"]
+    sched = resumed.plan.scheduled[0]
+    assert sched.token_ids == [4, 5, 6, 0, 0] and sched.start_pos == 0 and sched.output_index == 2
+
+
+def test_max_num_seqs_limits_admission():
+    s = make_scheduler(max_seqs=2)
+    for i in range(3):
+        s.add(Request(str(i), [1], SamplingParams()))
+    assert len(s.schedule().plan.scheduled) == 2 and len(s.waiting) == 1
+
+
+def test_finish_frees_blocks_and_is_idempotent():
+    s = make_scheduler()
+    req = Request("a", list(range(9)), SamplingParams())
+    s.add(req)
+    s.schedule()
+    s.finish(req, RequestStatus.FINISHED_ABORTED)
+    s.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert s.block_manager.num_free_blocks == 16 and s.num_unfinished == 0
