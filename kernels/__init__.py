@@ -6,6 +6,8 @@ Triton is imported only when a Triton path first runs, so importing ``kernels`` 
 Triton installed and ``TRITON_INTERPRET=1`` may be set any time before the first kernel call.
 """
 
+from __future__ import annotations
+
 from kernels.dispatch import use_triton
 from kernels.norm import rms_norm
 from kernels.paged_attention import paged_attention, store_cache, store_kv

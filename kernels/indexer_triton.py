@@ -64,7 +64,9 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     block_size = k_cache.shape[1]
     assert k_cache.shape[-1] == head_dim, f"k_cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
     assert weights.shape == (num_tokens, num_heads), f"weights {tuple(weights.shape)} vs q {tuple(q.shape)}"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and weights.stride(-1) == 1
+    assert k_cache.stride(-1) == 1, f"k_cache strides {k_cache.stride()}: the head dim must be contiguous"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     capacity = block_tables.shape[1] * block_size
     width = min(max_seq_len or capacity, capacity)
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)

@@ -111,7 +111,9 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache:
     _, block_size, row_width = latent_cache.shape
     assert row_width == kv_lora_rank + rope_dim, f"latent row {row_width} != {kv_lora_rank} + {rope_dim}"
     assert q_pe.shape[:2] == (num_tokens, num_heads), f"q_pe {tuple(q_pe.shape)} vs q_nope {tuple(q_nope.shape)}"
-    assert q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1 and latent_cache.stride(-1) == 1
+    assert latent_cache.stride(-1) == 1, f"latent_cache strides {latent_cache.stride()}: rows must be contiguous"
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0:
         return out

@@ -160,7 +160,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads vs {num_kv_heads} kv heads"
     assert k_cache.shape[-1] == head_dim and v_cache.shape == k_cache.shape, \
         f"q {tuple(query.shape)} k {tuple(k_cache.shape)} v {tuple(v_cache.shape)}"
-    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, \
+        f"k/v cache strides {k_cache.stride()} {v_cache.stride()}: head_dim must be contiguous"
+    query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
