@@ -47,6 +47,9 @@ def check_launchable(*tensors: torch.Tensor) -> None:
     if interpreting():
         if any(on_cuda):
             raise RuntimeError("TRITON_INTERPRET=1 runs kernels on CPU tensors only; got CUDA tensors")
+        if type(tl.sum).__name__ != "InterpretedFunction":  # decided once, when triton was imported
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it before the "
+                               "first import of triton (e.g. in the environment)")
     elif not all(on_cuda):
         raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
                            "triton is imported, or use SHARDSERVE_KERNELS=torch")

@@ -63,3 +63,11 @@ def test_importing_kernels_does_not_import_triton():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_triton_on_cpu_without_interpreter_fails_clearly(monkeypatch):
+    from kernels.triton_utils import check_launchable
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        check_launchable(torch.zeros(1))
