@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-# NOTE: every matmul in kernels/ goes through `mma` with input_precision="ieee": fp32 inputs
-# stay fp32 (no TF32), bf16/fp16 inputs ignore the option. fp32 is the checking dtype, not the
+# NOTE: every matmul in kernels/ goes through `mma`: fp32 operands use input_precision="ieee"
+# (no TF32 truncation), bf16/fp16 operands the tensor cores. fp32 is the checking dtype, not the
 # fast path.
 
 
@@ -29,7 +29,11 @@ def mma(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+    if a.dtype.is_fp32():
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 def interpreting() -> bool:
