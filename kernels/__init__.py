@@ -1,12 +1,22 @@
-"""Hot-path ops: each module holds a torch reference (``*_ref``, also the CPU path) and, where
-written, a Triton kernel. Call the public name (``rms_norm``, ``paged_attention``, ...): it
-dispatches by device, overridable with ``SHARDSERVE_KERNELS=torch|triton``.
+"""Hot-path ops: each module holds a torch reference (``*_ref``, also the CPU path) and a Triton
+kernel beside it in ``<module>_triton.py``. Call the public name (``rms_norm``,
+``paged_attention``, ...): it dispatches by device, overridable with ``SHARDSERVE_KERNELS=torch|triton``.
+
+Triton is imported only when a Triton path first runs, so importing ``kernels`` works without
+Triton installed and ``TRITON_INTERPRET=1`` may be set any time before the first kernel call.
 """
+
+from __future__ import annotations
 
 from kernels.dispatch import use_triton
 from kernels.norm import rms_norm
-from kernels.paged_attention import paged_attention, store_kv
+from kernels.paged_attention import paged_attention, store_cache, store_kv
 from kernels.rotary import apply_rotary
 from kernels.activation import silu_and_mul
+from kernels.mla_attention import mla_attention
+from kernels.indexer import indexer_scores, indexer_topk, select_topk
+from kernels.fused_moe import fused_moe
+from kernels.hadamard import hadamard_transform
 
-__all__ = ["use_triton", "rms_norm", "paged_attention", "store_kv", "apply_rotary", "silu_and_mul"]
+__all__ = ["use_triton", "rms_norm", "paged_attention", "store_kv", "store_cache", "apply_rotary", "silu_and_mul",
+           "mla_attention", "indexer_scores", "indexer_topk", "select_topk", "fused_moe", "hadamard_transform"]

@@ -1,4 +1,8 @@
-"""Choose between a Triton kernel and its torch reference."""
+"""Choose between a Triton kernel and its torch reference.
+
+Each public op in ``kernels/`` asks :func:`use_triton` about its first tensor argument and then
+imports its ``*_triton`` module on first use; the ``*_ref`` functions never need Triton.
+"""
 
 from __future__ import annotations
 

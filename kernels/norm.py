@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +30,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
-def rms_norm(x, weight, eps, residual=None):
-    """Dispatching RMSNorm; see :func:`rms_norm_ref`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dispatching RMSNorm: :func:`kernels.norm_triton.rms_norm_triton` when
+    :func:`~kernels.dispatch.use_triton` says so, else :func:`rms_norm_ref` (same contract)."""
+    if use_triton(x):
+        from kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

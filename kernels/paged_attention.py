@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.dispatch import use_triton
+
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -23,6 +25,40 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     """
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def store_cache_ref(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter per-token rows into one paged cache, in place (MLA latent, DSA indexer keys).
+
+    Args:
+        values: ``[num_tokens, *row_shape]``, e.g. ``[T, kv_lora_rank + qk_rope_head_dim]``.
+        cache: ``[num_blocks, block_size, *row_shape]``.
+        slot_mapping: ``[num_tokens]`` int flat slot per token.
+    """
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping.long(), values.to(cache.dtype))
+
+
+def token_seq_and_pos(query_start_loc: torch.Tensor | None, seq_lens: torch.Tensor,
+                      num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence index and position of every packed query token (no host sync).
+
+    Args:
+        query_start_loc: ``[B + 1]`` cumulative query counts, or None for decode (token b is
+            the last position of sequence b, ``num_tokens == B``).
+        seq_lens: ``[B]`` tokens in context after this step.
+        num_tokens: packed query tokens ``T``.
+
+    Returns:
+        ``token_seq [T]`` and ``token_pos [T]`` (int64); token t sees positions ``0..token_pos[t]``.
+    """
+    if query_start_loc is None:
+        assert seq_lens.shape[0] == num_tokens, f"decode: {seq_lens.shape[0]} seq_lens vs {num_tokens} tokens"
+        return torch.arange(num_tokens, device=seq_lens.device), seq_lens.long() - 1
+    token_idx = torch.arange(num_tokens, device=seq_lens.device, dtype=query_start_loc.dtype)
+    token_seq = torch.searchsorted(query_start_loc[1:].contiguous(), token_idx, right=True)
+    # Query i of sequence b sits at seq_len - q_len + i = seq_len - (query_end - token_idx).
+    token_pos = seq_lens[token_seq].long() - (query_start_loc[token_seq + 1].long() - token_idx.long())
+    return token_seq, token_pos
 
 
 def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +116,36 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.transpose(1, 2)[seq_of_token, row_of_token]
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping):
-    """Dispatching K/V store; see :func:`store_kv_ref`."""
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Dispatching K/V store (:func:`kernels.paged_attention_triton.store_kv_triton` or
+    :func:`store_kv_ref`, same contract)."""
+    if use_triton(key):
+        from kernels.paged_attention_triton import store_kv_triton
+
+        return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len):
-    """Dispatching paged attention; see :func:`paged_attention_ref`."""
+def store_cache(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Dispatching single-cache store (:func:`kernels.paged_attention_triton.store_cache_triton`
+    or :func:`store_cache_ref`, same contract)."""
+    if use_triton(values):
+        from kernels.paged_attention_triton import store_cache_triton
+
+        return store_cache_triton(values, cache, slot_mapping)
+    store_cache_ref(values, cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """Dispatching paged attention (:func:`kernels.paged_attention_triton.paged_attention_triton`
+    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode)."""
+    if use_triton(query):
+        from kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                      scale, max_query_len, max_seq_len)
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                scale, max_query_len, max_seq_len)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
+
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the last dim of ``x`` by per-token angles.
@@ -29,6 +31,11 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     return x * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
 
 
-def apply_rotary(x, cos, sin, interleaved=False):
-    """Dispatching RoPE; see :func:`apply_rotary_ref`."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Dispatching RoPE: :func:`kernels.rotary_triton.apply_rotary_triton` when
+    :func:`~kernels.dispatch.use_triton` says so, else :func:`apply_rotary_ref` (same contract)."""
+    if use_triton(x):
+        from kernels.rotary_triton import apply_rotary_triton
+
+        return apply_rotary_triton(x, cos, sin, interleaved)
     return apply_rotary_ref(x, cos, sin, interleaved)

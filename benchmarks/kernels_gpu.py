@@ -1,0 +1,265 @@
+"""Check every Triton kernel in ``kernels/`` against its torch reference on one CUDA GPU and time both.
+
+Run through ``benchmarks/kernels_gpu.sh`` (repo root, ``PYTHONPATH=.``). For each case it prints
+the max absolute error, the error relative to the reference's largest magnitude, pass/fail, the
+Triton and torch times, and achieved GB/s (memory-bound ops: minimal bytes read + written) or
+TFLOP/s (GEMM-like ops). bf16 cases use serving-sized shapes; fp32 cases are small and check
+correctness only. Exits 1 on any mismatch or error, 0 with a message when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+BF16, FP32 = torch.bfloat16, torch.float32
+DEVICE = "cuda"  # "cpu" only for --cpu-interpret, the self-test of this script under TRITON_INTERPRET=1
+# (atol, rtol): pass when max|out - ref| <= atol + rtol * max|ref|.
+TOLERANCES = {FP32: (1e-4, 1e-4), BF16: (2e-2, 2e-2)}
+
+
+@dataclass(slots=True)
+class Case:
+    """One kernel-vs-reference comparison."""
+
+    name: str                       # op and shape
+    dtype: torch.dtype
+    run_triton: Callable[[], torch.Tensor]
+    run_ref: Callable[[], torch.Tensor]
+    unit: str = "GB/s"              # "GB/s" or "TFLOP/s"
+    work: float = 0.0               # bytes or flops per call
+    tol_scale: float = 1.0          # widen the dtype tolerance (long bf16 reductions)
+
+
+def _paged(seq_lens: list[int], block_size: int, row_shape: tuple[int, ...], dtype, num_caches: int = 1):
+    """Random block tables and caches big enough for ``seq_lens`` (cache contents random)."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 1
+    perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)
+    start = 0
+    for b, count in enumerate(blocks):
+        table[b, :count] = perm[start:start + count]
+        start += count
+    caches = [torch.randn(num_blocks, block_size, *row_shape, dtype=dtype, device=DEVICE) for _ in range(num_caches)]
+    return table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), caches
+
+
+def elementwise_cases(dtype, small: bool) -> list[Case]:
+    from kernels.activation import silu_and_mul_ref
+    from kernels.activation_triton import silu_and_mul_triton
+    from kernels.hadamard import hadamard_transform_ref
+    from kernels.hadamard_triton import hadamard_transform_triton
+    from kernels.norm import rms_norm_ref
+    from kernels.norm_triton import rms_norm_triton
+    from kernels.rotary import apply_rotary_ref
+    from kernels.rotary_triton import apply_rotary_triton
+
+    size = dtype.itemsize
+    num_tokens, hidden = (37, 1000) if small else (4096, 7168)
+    x, residual = (torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
+    weight = torch.randn(hidden, dtype=dtype, device=DEVICE)
+    heads, rot = (3, 64) if small else (128, 64)
+    q = torch.randn(num_tokens, heads, rot, dtype=dtype, device=DEVICE)
+    angle = torch.rand(num_tokens, rot // 2, device=DEVICE) * 100
+    cos, sin = angle.cos(), angle.sin()
+    inter = 300 if small else 18432
+    gate_up = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=DEVICE)
+    hq = torch.randn(num_tokens, 4 if small else 64, 128, dtype=dtype, device=DEVICE)
+    return [
+        Case(f"rms_norm+residual T{num_tokens} D{hidden}", dtype, lambda: rms_norm_triton(x, weight, 1e-6, residual)[0],
+             lambda: rms_norm_ref(x, weight, 1e-6, residual)[0], work=4 * x.numel() * size),
+        Case(f"rotary interleaved T{num_tokens} H{heads} D{rot}", dtype, lambda: apply_rotary_triton(q, cos, sin, True),
+             lambda: apply_rotary_ref(q, cos, sin, True), work=2 * q.numel() * size + 2 * cos.numel() * 4),
+        Case(f"rotary half-split T{num_tokens} H{heads} D{rot}", dtype, lambda: apply_rotary_triton(q, cos, sin),
+             lambda: apply_rotary_ref(q, cos, sin), work=2 * q.numel() * size + 2 * cos.numel() * 4),
+        Case(f"silu_and_mul T{num_tokens} I{inter}", dtype, lambda: silu_and_mul_triton(gate_up),
+             lambda: silu_and_mul_ref(gate_up), work=1.5 * gate_up.numel() * size),
+        Case(f"hadamard T{num_tokens} H{hq.shape[1]} D128", dtype, lambda: hadamard_transform_triton(hq),
+             lambda: hadamard_transform_ref(hq), work=2 * hq.numel() * size),
+    ]
+
+
+def store_cases(dtype, small: bool) -> list[Case]:
+    from kernels.paged_attention import store_cache_ref, store_kv_ref
+    from kernels.paged_attention_triton import store_cache_triton, store_kv_triton
+
+    num_tokens, kv_heads, head_dim, latent = (19, 2, 64, 80) if small else (4096, 8, 128, 576)
+    table, _, (k_cache, v_cache, l_cache) = _paged([num_tokens], 16, (kv_heads, head_dim), dtype, 3)
+    l_cache = torch.randn(*l_cache.shape[:2], latent, dtype=dtype, device=DEVICE)
+    slots = table[0, torch.arange(num_tokens, device=DEVICE) // 16].long() * 16 + torch.arange(num_tokens, device=DEVICE) % 16
+    key, value = (torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    rows = torch.randn(num_tokens, latent, dtype=dtype, device=DEVICE)
+
+    def kv(fn):
+        fn(key, value, k_cache, v_cache, slots)
+        return torch.cat([k_cache.view(-1, kv_heads, head_dim)[slots], v_cache.view(-1, kv_heads, head_dim)[slots]])
+
+    def latent_rows(fn):
+        fn(rows, l_cache, slots)
+        return l_cache.view(-1, latent)[slots]
+
+    return [
+        Case(f"store_kv T{num_tokens} Hkv{kv_heads} D{head_dim}", dtype, lambda: kv(store_kv_triton), lambda: kv(store_kv_ref),
+             work=4 * key.numel() * key.itemsize),
+        Case(f"store_cache latent T{num_tokens} W{latent}", dtype, lambda: latent_rows(store_cache_triton),
+             lambda: latent_rows(store_cache_ref), work=2 * rows.numel() * rows.itemsize),
+    ]
+
+
+def attention_cases(dtype, small: bool) -> list[Case]:
+    from kernels.mla_attention import mla_attention_ref
+    from kernels.mla_attention_triton import mla_attention_triton
+    from kernels.paged_attention import paged_attention_ref
+    from kernels.paged_attention_triton import paged_attention_triton
+
+    size = dtype.itemsize
+    cases = []
+    # GQA decode: one query per sequence, long contexts (split-K when the batch is small).
+    batch, ctx, heads, kv_heads, head_dim = (3, 200, 4, 2, 64) if small else (64, 4096, 32, 8, 128)
+    for b in sorted({batch, 4}):
+        table, lens, (kc, vc) = _paged([ctx - i for i in range(b)], 16, (kv_heads, head_dim), dtype, 2)
+        q = torch.randn(b, heads, head_dim, dtype=dtype, device=DEVICE)
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=DEVICE)
+        args = (q, kc, vc, table, lens, qsl, head_dim ** -0.5, 1, ctx)
+        cases.append(Case(f"paged_attention decode B{b} ctx{ctx} H{heads}/{kv_heads} D{head_dim} bs16", dtype,
+                          lambda a=args: paged_attention_triton(*a), lambda a=args: paged_attention_ref(*a),
+                          work=2 * b * ctx * kv_heads * head_dim * size))
+    # GQA varlen prefill (chunked): TFLOP/s.
+    qlen, ctx_p, nseq = (5, 40, 2) if small else (512, 2048, 4)
+    table, lens, (kc, vc) = _paged([ctx_p] * nseq, 64, (kv_heads, head_dim), dtype, 2)
+    q = torch.randn(nseq * qlen, heads, head_dim, dtype=dtype, device=DEVICE)
+    qsl = torch.arange(nseq + 1, dtype=torch.int32, device=DEVICE) * qlen
+    args = (q, kc, vc, table, lens, qsl, head_dim ** -0.5, qlen, ctx_p)
+    flops = 4 * nseq * heads * head_dim * qlen * (ctx_p - qlen / 2)
+    cases.append(Case(f"paged_attention prefill B{nseq} q{qlen} ctx{ctx_p} bs64", dtype,
+                      lambda: paged_attention_triton(*args), lambda: paged_attention_ref(*args), "TFLOP/s", flops))
+    # MLA decode, dense and sparse (DeepSeek-V3.2: rank 512, rope 64, 16 heads per rank at TP 8).
+    batch, ctx, heads, rank, rope, topk = (3, 150, 3, 64, 16, 32) if small else (64, 4096, 16, 512, 64, 2048)
+    table, lens, (cache,) = _paged([ctx - i for i in range(batch)], 64, (rank + rope,), dtype)
+    q_nope = torch.randn(batch, heads, rank, dtype=dtype, device=DEVICE)
+    q_pe = torch.randn(batch, heads, rope, dtype=dtype, device=DEVICE)
+    scale = (128 + rope) ** -0.5
+    cases.append(Case(f"mla decode B{batch} ctx{ctx} H{heads} L{rank}+{rope} bs64", dtype,
+                      lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx),
+                      lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx),
+                      work=batch * ctx * (rank + rope) * size))
+    topk_idx = torch.stack([torch.randperm(ctx - i, device=DEVICE)[:topk] for i in range(batch)]).to(torch.int32)
+    topk_idx[:, -3:] = -1
+    cases.append(Case(f"mla sparse decode B{batch} topk{topk} H{heads}", dtype,
+                      lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
+                      lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
+                      work=batch * topk * (rank + rope) * size))
+    return cases
+
+
+def indexer_moe_cases(dtype, small: bool) -> list[Case]:
+    from kernels.fused_moe import fused_moe_ref
+    from kernels.fused_moe_triton import fused_moe_triton
+    from kernels.indexer import indexer_scores_ref
+    from kernels.indexer_triton import indexer_scores_triton
+
+    cases = []
+    batch, ctx, heads, dim = (3, 100, 4, 64) if small else (64, 8192, 64, 128)
+    table, lens, (kc,) = _paged([ctx - i for i in range(batch)], 64, (dim,), dtype)
+    q = torch.randn(batch, heads, dim, dtype=dtype, device=DEVICE)
+    w = torch.randn(batch, heads, device=DEVICE) * heads ** -0.5
+    cases.append(Case(f"indexer decode B{batch} ctx{ctx} H{heads} D{dim}", dtype,
+                      lambda: indexer_scores_triton(q, w, kc, table, lens, max_seq_len=ctx),
+                      lambda: indexer_scores_ref(q, w, kc, table, lens, max_seq_len=ctx),
+                      work=batch * ctx * dim * dtype.itemsize + batch * ctx * 4))
+    tokens, experts, hidden, inter, top_k = (9, 4, 96, 80, 2) if small else (2048, 64, 2048, 1024, 8)
+    for num_tokens in sorted({tokens, 4}):
+        x = torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE)
+        w13 = (torch.randn(experts, 2 * inter, hidden, device=DEVICE) * hidden ** -0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, device=DEVICE) * inter ** -0.5).to(dtype)
+        ids = torch.rand(num_tokens, experts, device=DEVICE).topk(top_k, dim=-1).indices
+        weights = torch.rand(num_tokens, top_k, device=DEVICE).softmax(-1)
+        args = (x, w13, w2, weights, ids)
+        flops = 2 * num_tokens * top_k * 3 * hidden * inter
+        cases.append(Case(f"fused_moe T{num_tokens} E{experts} k{top_k} D{hidden} I{inter}", dtype,
+                          lambda a=args: fused_moe_triton(*a), lambda a=args: fused_moe_ref(*a), "TFLOP/s", flops))
+    return cases
+
+
+def check(case: Case, bench: bool) -> bool:
+    """Run, compare, time and print one case; True when it matches."""
+    from triton.testing import do_bench
+
+    out = case.run_triton().float()
+    ref = case.run_ref().float()
+    finite = torch.isfinite(ref)
+    same_inf = torch.equal(finite, torch.isfinite(out))
+    err = (out[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    peak = ref[finite].abs().max().item() if finite.any() else 0.0
+    atol, rtol = (t * case.tol_scale for t in TOLERANCES[case.dtype])
+    ok = same_inf and out.shape == ref.shape and err <= atol + rtol * peak
+    line = f"{'ok  ' if ok else 'FAIL'} {case.name:<55} {str(case.dtype)[6:]:<8} max_abs {err:9.2e} rel {err / max(peak, 1e-30):9.2e}"
+    if bench:
+        t_ms = do_bench(case.run_triton, warmup=10, rep=50)
+        r_ms = do_bench(case.run_ref, warmup=3, rep=30)
+        scale = 1e-9 if case.unit == "GB/s" else 1e-12
+        line += (f" | triton {t_ms * 1e3:9.1f} us {case.work * scale / (t_ms * 1e-3):8.1f} {case.unit}"
+                 f" | torch {r_ms * 1e3:9.1f} us {case.work * scale / (r_ms * 1e-3):8.1f} {case.unit}")
+    print(line, flush=True)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes only, no timing")
+    parser.add_argument("--cpu-interpret", action="store_true",
+                        help="self-test of this script: small shapes on CPU under TRITON_INTERPRET=1, no timing")
+    args = parser.parse_args()
+    if args.cpu_interpret:
+        global DEVICE
+        DEVICE = "cpu"
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print("kernels_gpu: no CUDA device visible; nothing to check (run this on a GPU machine). Exiting 0.")
+        return 0
+    elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("kernels_gpu: TRITON_INTERPRET is set; unset it to run the compiled kernels.")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # references in true fp32
+    torch.backends.cudnn.allow_tf32 = False
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
+    print(f"kernels_gpu: {device_name}, torch {torch.__version__}", flush=True)
+    start, failures = time.time(), 0
+    # (dtype, small shapes, timed): fp32 checks tightly on small shapes, bf16 runs serving shapes.
+    plans = [(FP32, True, False)]
+    if args.cpu_interpret:
+        plans.append((BF16, True, False))
+    elif not args.quick:
+        plans.append((BF16, False, True))
+    for dtype, small, bench in plans:
+        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases):
+            torch.manual_seed(0)
+            try:
+                cases = build(dtype, small)
+            except Exception:  # noqa: BLE001 - report and keep checking the other ops
+                traceback.print_exc()
+                failures += 1
+                continue
+            for case in cases:
+                try:
+                    failures += not check(case, bench)
+                except Exception:  # noqa: BLE001
+                    print(f"FAIL {case.name} {dtype}: exception", flush=True)
+                    traceback.print_exc()
+                    failures += 1
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    print(f"kernels_gpu: {failures} failure(s) in {time.time() - start:.0f} s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Routed-expert MoE with SwiGLU experts (DeepSeek-V3 / GLM-5 layout), as one fused op.
+
+``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
+``e = topk_ids[t, j]``. Expert ids outside ``[0, num_experts)`` are skipped: under expert
+parallelism a rank passes the ids of experts it does not own as ``-1`` (or ``num_experts``, as
+HF's ``DeepseekV3NaiveMoe`` does). Router, shared experts and the all-reduce stay with the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
+
+
+def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """Per-expert loop, numerically the same as HF transformers' ``DeepseekV3NaiveMoe``.
+
+    Args:
+        hidden: ``[T, hidden]``.
+        w13: ``[E, 2 * I, hidden]`` gate rows then up rows (HF ``gate_up_proj``).
+        w2: ``[E, hidden, I]`` (HF ``down_proj``).
+        topk_weights: ``[T, k]`` routing weights (float32 from the router; any float dtype).
+        topk_ids: ``[T, k]`` int expert ids; ids outside ``[0, E)`` contribute nothing.
+
+    Returns:
+        ``[T, hidden]`` in ``hidden.dtype`` (each expert's weighted output is rounded to it and
+        accumulated in it, as HF does).
+    """
+    out = torch.zeros_like(hidden)
+    for expert in range(w13.shape[0]):
+        token_idx, slot = torch.where(topk_ids == expert)
+        if token_idx.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[token_idx], w13[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
+
+    Device ops only (no host sync): the padded length uses the bound
+    ``num_pairs + min(num_pairs, num_experts) * (block_m - 1)``.
+
+    Args:
+        topk_ids: ``[T, k]`` int expert ids (out-of-range ids are dropped).
+        num_experts: ``E``.
+        block_m: rows per grouped-GEMM tile.
+
+    Returns:
+        ``sorted_pair_ids [num_blocks * block_m]`` int32: pair index ``t * k + j`` grouped by
+        expert, ``T * k`` marking padding; ``block_expert [num_blocks]`` int32: the expert of
+        each tile of ``block_m`` rows, ``-1`` for unused tiles.
+    """
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    expert = topk_ids.reshape(-1).long()
+    expert = torch.where((expert >= 0) & (expert < num_experts), expert, num_experts)  # E = "not here"
+    order = torch.argsort(expert, stable=True)                                        # [P]
+    sorted_expert = expert[order]
+    counts = torch.bincount(expert, minlength=num_experts + 1)                        # [E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
+    padded_end = torch.cumsum(padded, 0)
+    count_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]       # rank within its expert
+    num_blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+    capacity = num_blocks * block_m
+    dest = torch.where(sorted_expert < num_experts, padded_end[sorted_expert] - padded[sorted_expert] + rank,
+                       capacity)                                                      # dropped pairs -> dump slot
+    sorted_pair_ids = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end[:num_experts].contiguous(), block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids[:capacity], block_expert
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Dispatching fused MoE (:func:`kernels.fused_moe_triton.fused_moe_triton` or
+    :func:`fused_moe_ref`, same contract)."""
+    if use_triton(hidden):
+        from kernels.fused_moe_triton import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,135 @@
+"""Triton fused MoE: expert-sorted grouped GEMMs (gate/up + SiLU-mul, then down + routing weight).
+
+Pairs (token, slot) are sorted by expert and padded per expert to BLOCK_M rows
+(:func:`kernels.fused_moe.moe_align`), so every row tile of both GEMMs uses one expert's
+weights. The down GEMM writes each pair's weighted row in float32; the k rows of a token are
+summed by torch afterwards (deterministic, no atomics). Contract: :func:`kernels.fused_moe.fused_moe_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fused_moe import moe_align
+from kernels.triton_utils import check_launchable, interpreting, mma, pow2
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    hidden_ptr, w13_ptr, sorted_ids_ptr, block_expert_ptr, inter_ptr,
+    num_pairs, top_k, N, K,
+    stride_ht, stride_we, stride_wn, stride_ip,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid (row tiles, cdiv(I, BLOCK_N)): inter[pair, n] = silu(x . w_gate[n]) * (x . w_up[n]).
+    pid_m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # a tile past the last expert's rows
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pair < num_pairs
+    token = tl.where(m_mask, pair // top_k, 0).to(tl.int64)
+    n_mask = offs_n < N
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(hidden_ptr + token[:, None] * stride_ht + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)          # [BLOCK_M, BLOCK_K]
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        acc_gate += mma(a, w_gate.to(a.dtype), UPCAST)                          # [BLOCK_M, BLOCK_N]
+        acc_up += mma(a, w_up.to(a.dtype), UPCAST)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(inter_ptr + tl.where(m_mask, pair, 0).to(tl.int64)[:, None] * stride_ip + offs_n[None, :], act,
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w2_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr, out_ptr,
+    num_pairs, N, K,
+    stride_ip, stride_we, stride_wn, stride_op,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid (row tiles, cdiv(hidden, BLOCK_N)): out[pair, n] = w_pair * (inter[pair] . w2[e, n]).
+    pid_m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # a tile past the last expert's rows
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pair < num_pairs
+    row = tl.where(m_mask, pair, 0).to(tl.int64)
+    n_mask = offs_n < N
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(inter_ptr + row[:, None] * stride_ip + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += mma(a, w.to(a.dtype), UPCAST)
+    weight = tl.load(topk_weights_ptr + row, mask=m_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row[:, None] * stride_op + offs_n[None, :], acc * weight[:, None],
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+    """Triton :func:`kernels.fused_moe.fused_moe_ref` (same arguments and result).
+
+    Args:
+        hidden: ``[T, hidden]``.
+        w13: ``[E, 2 * I, hidden]`` gate rows then up rows; cast to ``hidden.dtype`` on load.
+        w2: ``[E, hidden, I]``.
+        topk_weights: ``[T, k]``.
+        topk_ids: ``[T, k]`` int; ids outside ``[0, E)`` are skipped.
+        block_m: rows per tile (default 16 for small batches, 64 otherwise).
+
+    Returns:
+        ``[T, hidden]`` in ``hidden.dtype``; the SiLU-mul intermediate is rounded to
+        ``hidden.dtype`` once, the k expert outputs are summed in float32.
+    """
+    check_launchable(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    inter_size = two_inter // 2
+    assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, inter_size), \
+        f"hidden {hidden_size}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, \
+        f"topk_ids {tuple(topk_ids.shape)} topk_weights {tuple(topk_weights.shape)} tokens {num_tokens}"
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    block_m = block_m or (16 if num_pairs <= 256 else 64)
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    upcast = interpreting()
+
+    inter = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k = min(pow2(inter_size, 16), 64), min(pow2(hidden_size, 16), 64)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
+        hidden, w13, sorted_ids, block_expert, inter, num_pairs, top_k, inter_size, hidden_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
+
+    pair_out = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    block_n, block_k = min(pow2(hidden_size, 16), 64), min(pow2(inter_size, 16), 64)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        inter, w2, sorted_ids, block_expert, topk_weights.contiguous().view(-1), pair_out,
+        num_pairs, hidden_size, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

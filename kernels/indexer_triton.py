@@ -1,0 +1,84 @@
+"""Triton DSA indexer logits over the paged key cache; contract :func:`kernels.indexer.indexer_scores_ref`.
+
+One program per (query token, tile of BLOCK_N key positions): the key tile is read once and
+scored against every head (head tiles of up to 64 rows), ReLU'd, weighted and summed over heads
+in registers. Top-k stays in torch (:func:`kernels.indexer.select_topk`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_utils import check_launchable, interpreting, mma, pow2, token_metadata
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, k_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr, out_ptr,
+    num_heads, D, width,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_bt, stride_ot,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seq = tl.load(token_seq_ptr + t).to(tl.int64)
+    pos = tl.load(token_pos_ptr + t)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    valid = (offs_n <= pos) & (offs_n < width)                                   # causal
+    blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_ks + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0)               # [BLOCK_N, BLOCK_D]
+    logits = tl.zeros([BLOCK_N], tl.float32)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        h_mask = heads < num_heads
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)          # [BLOCK_H, BLOCK_D]
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=h_mask, other=0.0).to(tl.float32)
+        s = tl.maximum(mma(q, tl.trans(k.to(q.dtype)), UPCAST), 0.0)             # [BLOCK_H, BLOCK_N]
+        logits += tl.sum(w[:, None] * s, 0)
+    logits = tl.where(valid, logits, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + offs_n, logits, mask=offs_n < width)
+
+
+def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None,
+                          max_seq_len: int | None = None) -> torch.Tensor:
+    """Triton :func:`kernels.indexer.indexer_scores_ref` (same arguments and result).
+
+    Args:
+        q: ``[T, H, index_head_dim]`` (last dim contiguous).
+        weights: ``[T, H]``.
+        k_cache: ``[num_blocks, block_size, index_head_dim]``, cast to ``q.dtype`` on load.
+        block_tables, seq_lens, query_start_loc, max_seq_len: see the reference.
+
+    Returns:
+        ``[T, max_seq_len]`` float32 logits, ``-inf`` after each token's position.
+    """
+    check_launchable(q, weights, k_cache, block_tables, seq_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    assert k_cache.shape[-1] == head_dim, f"k_cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
+    assert weights.shape == (num_tokens, num_heads), f"weights {tuple(weights.shape)} vs q {tuple(q.shape)}"
+    assert k_cache.stride(-1) == 1, f"k_cache strides {k_cache.stride()}: the head dim must be contiguous"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    capacity = block_tables.shape[1] * block_size
+    width = min(max_seq_len or capacity, capacity)
+    out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or width == 0:
+        return out
+    token_seq, token_pos = token_metadata(query_start_loc, seq_lens, num_tokens)
+    block_n = 64
+    _indexer_scores_kernel[(num_tokens, triton.cdiv(width, block_n))](
+        q, weights, k_cache, block_tables, token_seq, token_pos, out,
+        num_heads, head_dim, width,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0), out.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_H=min(pow2(num_heads, 16), 64), BLOCK_N=block_n,
+        BLOCK_D=pow2(head_dim, 16), UPCAST=interpreting(), num_warps=4)
+    return out

@@ -1,0 +1,73 @@
+"""Every public op routes to its Triton launcher or its reference as ``use_triton`` decides."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+
+# public name -> (reference module, reference name, Triton module, Triton name)
+OPS = {
+    "rms_norm": ("kernels.norm", "rms_norm_ref", "kernels.norm_triton", "rms_norm_triton"),
+    "apply_rotary": ("kernels.rotary", "apply_rotary_ref", "kernels.rotary_triton", "apply_rotary_triton"),
+    "silu_and_mul": ("kernels.activation", "silu_and_mul_ref", "kernels.activation_triton", "silu_and_mul_triton"),
+    "store_kv": ("kernels.paged_attention", "store_kv_ref", "kernels.paged_attention_triton", "store_kv_triton"),
+    "store_cache": ("kernels.paged_attention", "store_cache_ref", "kernels.paged_attention_triton",
+                    "store_cache_triton"),
+    "paged_attention": ("kernels.paged_attention", "paged_attention_ref", "kernels.paged_attention_triton",
+                        "paged_attention_triton"),
+    "mla_attention": ("kernels.mla_attention", "mla_attention_ref", "kernels.mla_attention_triton",
+                      "mla_attention_triton"),
+    "indexer_scores": ("kernels.indexer", "indexer_scores_ref", "kernels.indexer_triton", "indexer_scores_triton"),
+    "fused_moe": ("kernels.fused_moe", "fused_moe_ref", "kernels.fused_moe_triton", "fused_moe_triton"),
+    "hadamard_transform": ("kernels.hadamard", "hadamard_transform_ref", "kernels.hadamard_triton",
+                           "hadamard_transform_triton"),
+}
+
+
+@pytest.mark.parametrize("mode,expect", [(None, "ref"), ("torch", "ref"), ("triton", "triton")],
+                         ids=["cpu-default", "forced-torch", "forced-triton"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_public_op_dispatch(op, mode, expect, monkeypatch):
+    ref_module, ref_name, triton_module, triton_name = OPS[op]
+    calls = []
+    monkeypatch.setattr(importlib.import_module(ref_module), ref_name, lambda *a, **k: calls.append("ref"))
+    monkeypatch.setattr(importlib.import_module(triton_module), triton_name, lambda *a, **k: calls.append("triton"))
+    if mode is None:
+        monkeypatch.delenv("SHARDSERVE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("SHARDSERVE_KERNELS", mode)
+    x = torch.zeros(2, 4)  # a CPU tensor: the dispatcher only looks at the first argument's device
+    public = getattr(kernels, op)
+    public(*[x] * len(inspect.signature(public).parameters))
+    assert calls == [expect]
+
+
+def test_unknown_kernel_mode_raises(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="SHARDSERVE_KERNELS"):
+        kernels.use_triton(torch.zeros(1))
+
+
+def test_importing_kernels_does_not_import_triton():
+    """TRITON_INTERPRET must be settable after ``import kernels`` (workers import it first)."""
+    code = "import sys, kernels; assert 'triton' not in sys.modules, 'kernels imported triton'"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_triton_on_cpu_without_interpreter_fails_clearly(monkeypatch):
+    from kernels.triton_utils import check_launchable
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        check_launchable(torch.zeros(1))
