@@ -85,7 +85,9 @@ class PlanDriver:
             for req, logits in out.items():
                 decode_logits[req].append(logits)
                 generated[req].append(int(logits.argmax()))
-        return generated, {req: torch.stack(rows) for req, rows in decode_logits.items()}
+        vocab = next(iter(first.values())).shape[-1]
+        return generated, {req: torch.stack(rows) if rows else torch.empty(0, vocab)
+                           for req, rows in decode_logits.items()}
 
 
 @torch.no_grad()
