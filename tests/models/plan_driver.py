@@ -71,7 +71,8 @@ class PlanDriver:
         bounds = meta.query_start_loc.tolist()
         return {req_id: logits[bounds[i]:bounds[i + 1]] for i, req_id in enumerate(work)}
 
-    def greedy(self, first: dict[str, torch.Tensor], steps: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    def greedy(self, first: dict[str, torch.Tensor],
+               steps: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Decode ``steps`` greedy tokens for every request in ``first`` (its last logits) together.
 
         Returns:

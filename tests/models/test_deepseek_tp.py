@@ -101,4 +101,5 @@ def test_tp2_matches_tp1(tiny_model, tmp_path):
         tp1 = run_script(make_runner(path))
         assert torch.equal(ranks[0]["logits"][arch], ranks[1]["logits"][arch]), f"{arch}: ranks disagree"
         diff = (tp1 - ranks[0]["logits"][arch]).abs().max().item()
+        print(f"{arch} split {SPLITS[arch]}: max |TP2 - TP1| = {diff:.2e}")
         assert diff < 1e-4, f"{arch} split {SPLITS[arch]}: max |TP2 - TP1| = {diff}"

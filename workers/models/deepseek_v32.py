@@ -53,6 +53,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, residual, batch, prev_topk, top_k):
+        """Returns ``(mlp_out [T, hidden], residual [T, hidden], topk)`` (see :class:`MLAAttention`)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -109,6 +110,7 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, top_k: int | None) -> torch.Tensor:
+        """``input_ids [T], positions [T] -> hidden [T, hidden_size]``; ``top_k`` None = dense MLA."""
         meta = get_attention_metadata()
         block_size = self.layers[0].self_attn.latent_cache.shape[1]
         batch = PagedBatch.build(meta, block_size)

@@ -143,7 +143,7 @@ class DSAIndexer(nn.Module):
             return None
         keys = batch.gather(self.k_cache).float()                                     # [B, S, D_idx]
         weights = self.weights_proj(hidden.float()) * self.num_heads ** -0.5           # [T, H_idx]
-        q_pad, w_pad = batch.pad(q.float()), batch.pad(weights)                       # [B, Q, H_idx, D_idx], [B, Q, H_idx]
+        q_pad, w_pad = batch.pad(q.float()), batch.pad(weights)       # [B, Q, H_idx, D_idx], [B, Q, H_idx]
         scale = self.head_dim ** -0.5
         index_scores = keys.new_empty(batch.batch_size, batch.max_query_len, batch.max_seq_len)
         for start in range(0, batch.max_query_len, _SCORE_CHUNK):

@@ -141,8 +141,10 @@ class MLAAttention(nn.Module):
             topk = self.indexer(hidden, q_latent, cos, sin, meta.slot_mapping, batch, top_k)
         if self.record_topk:
             self.last_topk = topk
-        allowed = batch.causal if topk is None else batch.causal & selection_mask(topk, batch.max_seq_len)
-        allowed = allowed.clone()
+        if topk is None:
+            allowed = batch.causal.clone()
+        else:
+            allowed = batch.causal & selection_mask(topk, batch.max_seq_len)
         allowed[:, :, 0] |= ~allowed.any(-1)          # padded query rows: one key instead of none (dropped later)
 
         latent = batch.gather(self.latent_cache)      # [B, S, kv_lora + rope]
