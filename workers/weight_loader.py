@@ -65,8 +65,10 @@ def build_model(config, ckpt: Checkpoint, tensor_split: list[float] | None = Non
     Returns:
         ``(model in eval mode, weight bytes on this rank)``.
     """
+    from workers.fp8 import dequantizing_checkpoint
     from workers.models.registry import model_class
 
+    ckpt = dequantizing_checkpoint(ckpt, config)  # FP8 block-scaled weights read as float32
     model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)
     weight_bytes = load_weights(model, ckpt, progress)
     return model.eval(), weight_bytes

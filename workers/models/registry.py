@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from workers.models.deepseek_v32 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from workers.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 

@@ -1,0 +1,80 @@
+"""Unit checks of the DSA pieces: Hadamard rotation, per-sequence layout, top-k isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.forward_context import AttentionMetadata
+from workers.models.dsa_indexer import hadamard_transform, selection_mask, topk_selection
+from workers.models.mla import mla_softmax_scale
+from workers.models.paged_batch import PagedBatch
+
+
+def _sylvester(dim: int) -> torch.Tensor:
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < dim:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+    return matrix / dim ** 0.5
+
+
+@pytest.mark.parametrize("dim", [1, 2, 8, 128])
+def test_hadamard_is_the_normalized_sylvester_matrix(dim):
+    x = torch.randn(3, 5, dim, generator=torch.Generator().manual_seed(dim))
+    assert torch.allclose(hadamard_transform(x), x @ _sylvester(dim), atol=1e-5)
+    # Orthonormal: dot products (indexer scores) are preserved.
+    y = torch.randn(7, dim, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(hadamard_transform(x) @ hadamard_transform(y).T, x @ y.T, atol=1e-4)
+
+
+def test_hadamard_rejects_non_power_of_two():
+    with pytest.raises(AssertionError, match="power-of-two"):
+        hadamard_transform(torch.zeros(2, 48))
+
+
+def _two_sequences() -> tuple[PagedBatch, AttentionMetadata]:
+    """Sequence 0: 3 cached + 2 new tokens in blocks [5, 1]; sequence 1: 6 new tokens in [0, 3]."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([5 * 4 + 3, 1 * 4 + 0, 0, 1, 2, 3, 12, 13]),
+        positions=torch.tensor([3, 4, 0, 1, 2, 3, 4, 5]),
+        query_start_loc=torch.tensor([0, 2, 8]),
+        seq_lens=torch.tensor([5, 6]),
+        block_tables=torch.tensor([[5, 1], [0, 3]], dtype=torch.int32),
+        max_query_len=6, max_seq_len=6)
+    return PagedBatch.build(meta, block_size=4), meta
+
+
+def test_paged_batch_layout():
+    batch, meta = _two_sequences()
+    assert batch.slots.tolist() == [[20, 21, 22, 23, 4, 0], [0, 1, 2, 3, 12, 13]]
+    # Every token's own slot is where the runner writes it.
+    assert batch.slots[batch.seq_of_token, meta.positions].tolist() == meta.slot_mapping.tolist()
+    # Sequence 0's first query (position 3) sees positions 0..3, never its padding column 5.
+    assert batch.causal[0, 0].tolist() == [True, True, True, True, False, False]
+    assert not batch.causal[0, :, 5].any()
+    x = torch.arange(8.0)[:, None]
+    assert torch.equal(batch.unpad(batch.pad(x)), x)
+
+
+def test_topk_never_selects_another_sequence_or_a_future_key():
+    """Huge scores on positions a query must not see (future, padding) are never selected, and
+    a query with at most k visible keys keeps all of them."""
+    batch, _ = _two_sequences()
+    scores = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0))
+    scores[0, :, 5] = 1e9            # sequence 0's padding column (slot 0 belongs to sequence 1)
+    scores[:, :, 4:] += 1e6          # future keys for the early queries
+    picked = selection_mask(topk_selection(scores, batch.causal, top_k=3), 6) & batch.causal
+    assert not (picked & ~batch.causal).any()
+    assert picked.sum(-1)[batch.seq_of_token, batch.row_of_token].tolist() == [3, 3, 1, 2, 3, 3, 3, 3]
+    assert picked[1, 0].tolist() == [True, False, False, False, False, False]
+
+
+def test_softmax_scale_yarn_mscale():
+    class Config:
+        qk_nope_head_dim, qk_rope_head_dim = 128, 64
+        rope_parameters = {"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
+
+    mscale = 0.1 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert mla_softmax_scale(Config()) == pytest.approx(192 ** -0.5 * mscale ** 2)
+    Config.rope_parameters = {"rope_type": "default"}
+    assert mla_softmax_scale(Config()) == pytest.approx(192 ** -0.5)

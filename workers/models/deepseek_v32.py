@@ -1,0 +1,199 @@
+"""DeepSeek-V3, DeepSeek-V3.2 and GLM-MoE-DSA (GLM-5) causal LMs: MLA + DSA indexer + MoE.
+
+Math follows transformers' ``deepseek_v3``, ``deepseek_v32`` and ``glm_moe_dsa`` modeling files
+(the parity oracles; see ``tests/models``). The three differ only in:
+
+- DSA indexer: none (V3); every layer (V3.2); GLM's ``indexer_types``, where a ``"shared"``
+  layer has no indexer and reuses the top-k of the most recent ``"full"`` layer (IndexShare).
+- Indexer RoPE layout: half-split for V3.2, interleaved for GLM. MLA RoPE is interleaved for
+  V3.2/GLM and for V3 when ``config.rope_interleave`` (its default).
+- Dense vs MoE MLP per layer: ``config.mlp_layer_types`` (V3.2, GLM) or the first
+  ``first_k_dense_replace`` layers dense (V3).
+
+Serving switches, read from optional attributes of the HF config (the runner sets them) or given
+as constructor keywords: ``shardserve_dsa`` (default True; False = dense MLA, no indexer cache),
+``shardserve_dsa_top_k`` (default: the checkpoint's ``index_topk``), ``shardserve_hadamard``
+(default True: Walsh-Hadamard rotation of indexer q/k, score-preserving).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.distributed import get_tp_group
+from workers.forward_context import get_attention_metadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.models.dsa_indexer import DSAIndexer
+from workers.models.mla import MLAAttention
+from workers.models.moe import DeepseekMoE, GatedMLP
+from workers.models.paged_batch import PagedBatch
+from workers.partition import split_units
+
+
+def _option(explicit, config, name: str, default):
+    """A serving switch: the constructor keyword, else ``config.<name>``, else ``default``."""
+    if explicit is not None:
+        return explicit
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + MLA(norm(x))``, then ``+ MLP/MoE(norm(.))``; residual carried through
+    fused RMSNorms."""
+
+    def __init__(self, config, attn: MLAAttention, mlp: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, batch, prev_topk, top_k):
+        """Returns ``(mlp_out [T, hidden], residual [T, hidden], topk)`` (see :class:`MLAAttention`)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, topk = self.self_attn(positions, hidden, batch, prev_topk, top_k)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual, topk
+
+
+class DeepseekModel(nn.Module):
+    """Embedding, decoder layers and final norm (checkpoint prefix ``model.``).
+
+    Args:
+        config: the HF config.
+        tensor_split: relative per-rank weights (None = even).
+        dtype: parameter dtype.
+        indexer_types: per layer ``"full"`` (own DSA indexer), ``"shared"`` (reuse the last full
+            layer's top-k) or ``"none"`` (dense MLA).
+        indexer_rope_interleaved / hadamard: indexer options (see :class:`DSAIndexer`).
+    """
+
+    def __init__(self, config, tensor_split: list[float] | None, dtype: torch.dtype, indexer_types: list[str],
+                 indexer_rope_interleaved: bool, hadamard: bool) -> None:
+        super().__init__()
+        group = get_tp_group()
+        rank, size = group.tp_rank, group.tp_size
+        head_range = split_units(config.num_attention_heads, size, tensor_split)[rank]
+        inter_range = split_units(config.intermediate_size, size, tensor_split)[rank]
+        expert_range = split_units(config.n_routed_experts, size, tensor_split)[rank]
+        shared_size = config.moe_intermediate_size * (config.n_shared_experts or 0)
+        shared_range = split_units(shared_size, size, tensor_split)[rank] if shared_size else None
+        self.vocab_ranges = split_units(config.vocab_size, size, tensor_split)
+        rotary = RotaryEmbedding(config, config.qk_rope_head_dim, config.max_position_embeddings)
+        mla_interleaved = bool(getattr(config, "rope_interleave", True))
+        mlp_types = getattr(config, "mlp_layer_types", None) or [
+            "dense" if i < config.first_k_dense_replace else "sparse" for i in range(config.num_hidden_layers)]
+
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   *self.vocab_ranges[rank], dtype=dtype)
+        self.layers = nn.ModuleList()
+        for idx in range(config.num_hidden_layers):
+            indexer = None
+            if indexer_types[idx] == "full":
+                indexer = DSAIndexer(config, indexer_rope_interleaved, hadamard, dtype)
+            attn = MLAAttention(config, head_range, rotary, mla_interleaved, indexer,
+                                shares_topk=indexer_types[idx] == "shared", dtype=dtype)
+            if mlp_types[idx] == "sparse":
+                mlp = DeepseekMoE(config, expert_range, shared_range, dtype)
+            else:
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size, inter_range, reduce_output=True,
+                               dtype=dtype)
+            self.layers.append(DeepseekDecoderLayer(config, attn, mlp, dtype))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, top_k: int | None) -> torch.Tensor:
+        """``input_ids [T], positions [T] -> hidden [T, hidden_size]``; ``top_k`` None = dense MLA."""
+        meta = get_attention_metadata()
+        block_size = self.layers[0].self_attn.latent_cache.shape[1]
+        batch = PagedBatch.build(meta, block_size)
+        hidden, residual, topk = self.embed_tokens(input_ids), None, None
+        for layer in self.layers:
+            hidden, residual, topk = layer(positions, hidden, residual, batch, topk, top_k)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    """DeepSeek-V3.2 causal LM (MLA + DSA indexer on every layer + MoE), tensor-parallel.
+
+    ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` (inside a forward
+    context); ``compute_logits(hidden [N, hidden_size]) -> [N, vocab]`` float32 on every rank.
+
+    Args:
+        config: the HF config.
+        tensor_split: relative per-rank weights for uneven splits (None = even); heads, routed
+            experts, MLP intermediate dims and the vocabulary are split in whole units.
+        dtype: parameter and cache dtype.
+        dsa_enabled / dsa_top_k / hadamard: serving switches (see the module docstring).
+    """
+
+    # checkpoint sub-name -> (our packed parameter sub-name, shard id)
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    indexer_rope_interleaved = False   # DeepseekV32Indexer: half-split RoPE
+
+    def __init__(self, config, tensor_split: list[float] | None = None, dtype: torch.dtype = torch.float32, *,
+                 dsa_enabled: bool | None = None, dsa_top_k: int | None = None, hadamard: bool | None = None) -> None:
+        super().__init__()
+        self.config = config
+        has_indexer = hasattr(config, "index_topk")
+        self.dsa_enabled = has_indexer and bool(_option(dsa_enabled, config, "shardserve_dsa", True))
+        self.dsa_top_k = int(_option(dsa_top_k, config, "shardserve_dsa_top_k", getattr(config, "index_topk", 0)))
+        self.hadamard = bool(_option(hadamard, config, "shardserve_hadamard", True))
+        assert not self.dsa_enabled or self.dsa_top_k > 0, f"dsa_top_k={self.dsa_top_k} must be > 0"
+        indexer_types = self._indexer_types(config) if self.dsa_enabled else ["none"] * config.num_hidden_layers
+        self.model = DeepseekModel(config, tensor_split, dtype, indexer_types, self.indexer_rope_interleaved,
+                                   self.hadamard)
+        rank = get_tp_group().tp_rank
+        ranges = self.model.vocab_ranges
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *ranges[rank],
+                                      sizes=[count for _, count in ranges], dtype=dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+    def _indexer_types(self, config) -> list[str]:
+        """Per layer: ``"full"`` (own indexer) or ``"shared"`` (reuse the last full layer's top-k)."""
+        return ["full"] * config.num_hidden_layers
+
+    def attention_layers(self) -> list[MLAAttention]:
+        """The modules that own cache tensors, in layer order."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """Per layer: the MLA latent cache and, with DSA on, the indexer-key cache (same blocks)."""
+        shapes = [(num_blocks, block_size, self.config.kv_lora_rank + self.config.qk_rope_head_dim)]
+        if self.dsa_enabled:
+            shapes.append((num_blocks, block_size, self.config.index_head_dim))
+        return shapes
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.dsa_top_k if self.dsa_enabled else None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class DeepseekV3ForCausalLM(DeepseekV32ForCausalLM):
+    """DeepSeek-V3 (dense MLA, no indexer; ``q_proj`` when ``q_lora_rank`` is null). See
+    :class:`DeepseekV32ForCausalLM` for shapes and arguments."""
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-MoE-DSA (GLM-5): interleaved indexer RoPE and IndexShare (``config.indexer_types``).
+    See :class:`DeepseekV32ForCausalLM` for shapes and arguments."""
+
+    indexer_rope_interleaved = True   # GlmMoeDsaIndexer: apply_rotary_pos_emb_interleave
+
+    def _indexer_types(self, config) -> list[str]:
+        types = list(getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers)
+        assert len(types) == config.num_hidden_layers and set(types) <= {"full", "shared"}, \
+            f"indexer_types={types} must be 'full'/'shared' per layer ({config.num_hidden_layers} layers)"
+        if types[0] != "full":
+            raise ValueError(f"indexer_types={types}: a 'shared' layer needs an earlier 'full' layer")
+        return types

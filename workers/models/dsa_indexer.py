@@ -1,0 +1,153 @@
+"""DeepSeek Sparse Attention (DSA) lightning indexer with a paged indexer-key cache.
+
+Math follows transformers' ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer`` (the parity oracle),
+which is DeepSeek-V3.2-Exp ``inference/model.py: Indexer`` without the FP8 scoring:
+
+    q = wq_b(q_latent)                  [T, H_idx, D_idx]     (q_latent = q_a_layernorm(q_a_proj(x)))
+    k = LayerNorm(wk(x))                [T, D_idx]            (one key head, LayerNorm with bias)
+    RoPE on the first qk_rope_head_dim dims of q and k: half-split (rotate_half) for DeepSeek-V3.2,
+        interleaved pairs for GLM-MoE-DSA
+    w = weights_proj(x) * H_idx^-0.5    [T, H_idx]            (float32)
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * D_idx^-0.5)
+    top-k over the causal keys of t's own sequence.
+
+Optionally (default on) q and k are rotated by the normalized Walsh-Hadamard matrix before the
+key is cached, as DeepSeek's reference does (``rotate_activation``): ``(Hq).(Hk) = q.k`` so the
+scores, and the top-k, are unchanged up to float rounding; transformers omits it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import apply_rotary
+from workers.layers.linear import ColumnParallelLinear
+from workers.models.paged_batch import PagedBatch, store_rows
+
+# Query rows scored at once: bounds the [B, rows, H_idx, S] float32 intermediate.
+_SCORE_CHUNK = 256
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Normalized fast Walsh-Hadamard transform over the last dim (Sylvester order).
+
+    Computes ``x @ H / sqrt(D)`` with ``H = [[H', H'], [H', -H']]``; orthonormal and symmetric,
+    so dot products between transformed vectors equal those between the originals.
+
+    Args:
+        x: ``[..., D]`` with ``D`` a power of two.
+
+    Returns:
+        ``[..., D]`` in ``x.dtype``.
+    """
+    dim = x.shape[-1]
+    assert dim > 0 and dim & (dim - 1) == 0, f"Hadamard transform needs a power-of-two dim, got {dim}"
+    lead = x.shape[:-1]
+    out = x.reshape(-1, dim)
+    half = 1
+    while half < dim:
+        out = out.view(-1, dim // (2 * half), 2, half)
+        even, odd = out[:, :, 0], out[:, :, 1]
+        out = torch.stack((even + odd, even - odd), dim=2)
+        half *= 2
+    return (out.reshape(*lead, dim) * dim ** -0.5).to(x.dtype)
+
+
+def topk_selection(index_scores: torch.Tensor, causal: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k key positions of every query over its own causal keys.
+
+    Args:
+        index_scores: ``[B, Q, S]`` float32 scores of each query row against its sequence's keys.
+        causal: ``[B, Q, S]`` bool, which keys each query may see.
+        top_k: keys to keep per query.
+
+    Returns:
+        ``[B, Q, min(top_k, S)]`` int64 positions. A query with fewer than ``top_k`` visible keys
+        also gets masked positions; callers AND the result with ``causal``.
+    """
+    scores = index_scores.masked_fill(~causal, float("-inf"))
+    return scores.topk(min(top_k, scores.shape[-1]), dim=-1).indices
+
+
+def selection_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[B, Q, k]`` positions -> ``[B, Q, num_keys]`` bool (True = selected)."""
+    mask = torch.zeros(*topk_indices.shape[:2], num_keys, dtype=torch.bool, device=topk_indices.device)
+    return mask.scatter_(-1, topk_indices, True)
+
+
+class DSAIndexer(nn.Module):
+    """Lightning indexer of one layer; replicated on every TP rank (DESIGN.md: top-k identical on
+    all ranks without communication).
+
+    Args:
+        config: HF config with ``index_n_heads``, ``index_head_dim``, ``q_lora_rank``,
+            ``qk_rope_head_dim``, ``hidden_size``.
+        rope_interleaved: RoPE pair layout of the reference (False for DeepSeek-V3.2, True for GLM).
+        hadamard: rotate q and k by the Walsh-Hadamard matrix (score-preserving).
+        dtype: parameter dtype (``weights_proj`` stays float32, as HF keeps it).
+
+    ``k_cache`` ``[num_blocks, block_size, index_head_dim]`` is set by the model's cache setter.
+    """
+
+    def __init__(self, config, rope_interleaved: bool, hadamard: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.rope_interleaved = rope_interleaved
+        self.hadamard = hadamard
+        if hadamard and self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"Hadamard rotation needs a power-of-two index_head_dim, got {self.head_dim}; "
+                             f"turn it off (shardserve_hadamard=False)")
+        hidden = config.hidden_size
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, [(self.num_heads * self.head_dim, 0,
+                                                               self.num_heads * self.head_dim)], dtype=dtype)
+        self.wk = ColumnParallelLinear(hidden, [(self.head_dim, 0, self.head_dim)], dtype=dtype)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = ColumnParallelLinear(hidden, [(self.num_heads, 0, self.num_heads)], dtype=torch.float32)
+        self.k_cache: torch.Tensor | None = None
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``rope_dim`` dims of ``x [T, heads, head_dim]``."""
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((apply_rotary(rot, cos, sin, self.rope_interleaved), rest), dim=-1)
+
+    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot_mapping: torch.Tensor, batch: PagedBatch, top_k: int) -> torch.Tensor | None:
+        """Cache this step's indexer keys and select each query's top-k keys.
+
+        Args:
+            hidden: ``[T, hidden_size]`` normed layer input.
+            q_latent: ``[T, q_lora_rank]`` the MLA query latent (after ``q_a_layernorm``).
+            cos, sin: ``[T, qk_rope_head_dim // 2]`` RoPE angles of the tokens' positions.
+            slot_mapping: ``[T]`` cache slots of this step's tokens.
+            batch: per-sequence layout of the step.
+            top_k: keys kept per query.
+
+        Returns:
+            ``[B, Q, min(top_k, S)]`` int64 selected positions, or None when every sequence has at
+            most ``top_k`` keys (the indexer is then an exact no-op: every key is kept).
+        """
+        num_tokens = hidden.shape[0]
+        q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
+        k = F.layer_norm(self.wk(hidden), (self.head_dim,), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps)
+        q = self._rope(q, cos, sin)
+        k = self._rope(k[:, None, :], cos, sin)[:, 0]
+        if self.hadamard:
+            q, k = hadamard_transform(q), hadamard_transform(k)
+        store_rows(self.k_cache, k, slot_mapping)
+        if batch.max_seq_len <= top_k:
+            return None
+        keys = batch.gather(self.k_cache).float()                                     # [B, S, D_idx]
+        weights = self.weights_proj(hidden.float()) * self.num_heads ** -0.5           # [T, H_idx]
+        q_pad, w_pad = batch.pad(q.float()), batch.pad(weights)       # [B, Q, H_idx, D_idx], [B, Q, H_idx]
+        scale = self.head_dim ** -0.5
+        index_scores = keys.new_empty(batch.batch_size, batch.max_query_len, batch.max_seq_len)
+        for start in range(0, batch.max_query_len, _SCORE_CHUNK):
+            rows = slice(start, start + _SCORE_CHUNK)
+            per_head = F.relu(torch.einsum("bqhd,bsd->bqhs", q_pad[:, rows], keys) * scale)
+            index_scores[:, rows] = torch.einsum("bqh,bqhs->bqs", w_pad[:, rows], per_head)
+        return topk_selection(index_scores, batch.causal, top_k)

@@ -1,0 +1,183 @@
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1) on a paged latent cache,
+optionally sparsified by the DSA indexer (DeepSeek-V3.2).
+
+Math follows transformers' ``DeepseekV3Attention`` / ``DeepseekV32Attention`` /
+``GlmMoeDsaAttention``:
+
+    q        = q_b_proj(q_a_layernorm(q_a_proj(x)))  or  q_proj(x)       [T, H, nope + rope]
+    c, k_pe  = split(kv_a_proj_with_mqa(x));  c = kv_a_layernorm(c)      [T, kv_lora], [T, rope]
+    RoPE on q_pe and k_pe (interleaved pairs; DeepseekV3 only when ``config.rope_interleave``)
+    k_nope, v = split(kv_b_proj(c))                                      [S, H, nope], [S, H, v]
+    softmax scale = qk_head_dim^-0.5 * mscale^2 (YaRN, ``mscale_all_dim``)
+
+The cache holds ``[c, k_pe]`` per token (``[num_blocks, block_size, kv_lora + rope]``, the same on
+every rank; heads are split across ranks in whole heads, possibly unevenly). Prefill expands
+``kv_b_proj`` over the context; decode steps use the absorbed form: ``W_UK`` is folded into the
+query (``q_lat = q_nope W_UK``, scores against the latent directly) and ``W_UV`` is applied after
+attention, so the context is never expanded. Both are exact rewrites of the same math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels import apply_rotary
+from workers.forward_context import get_attention_metadata
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.models.dsa_indexer import DSAIndexer, selection_mask
+from workers.models.paged_batch import PagedBatch, store_rows
+
+
+def mla_softmax_scale(config) -> float:
+    """``qk_head_dim^-0.5``, times ``mscale^2`` for YaRN with ``mscale_all_dim`` (HF ``yarn_apply_mscale``)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        factor = params.get("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * mscale * mscale
+    return scale
+
+
+def _replicated(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> ColumnParallelLinear:
+    return ColumnParallelLinear(in_features, [(out_features, 0, out_features)], bias=bias, dtype=dtype)
+
+
+class MLAAttention(nn.Module):
+    """MLA over this rank's heads, with an optional DSA indexer.
+
+    Args:
+        config: HF DeepseekV3 / DeepseekV32 / GlmMoeDsa config.
+        head_range: ``(first_head, num_local_heads)`` on this rank.
+        rotary: the model's RoPE table (``[max_positions, qk_rope_head_dim // 2]``).
+        rope_interleaved: pair layout of the MLA RoPE.
+        indexer: this layer's own indexer, or None.
+        shares_topk: use the selection of the most recent layer with an indexer (GLM IndexShare).
+
+    ``forward(positions [T], hidden [T, hidden], batch, prev_topk, top_k) -> ([T, hidden], topk)``
+    where ``topk`` is ``[B, Q, k]`` int64 selected positions or None (= all keys).
+    ``kv_cache`` is set by the runner: ``(latent_cache[, indexer_cache])``.
+    """
+
+    def __init__(self, config, head_range: tuple[int, int], rotary: RotaryEmbedding, rope_interleaved: bool,
+                 indexer: DSAIndexer | None, shares_topk: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        first, count = head_range
+        self.num_heads = count
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        heads = config.num_attention_heads
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, [(heads * qk_dim, first * qk_dim, count * qk_dim)], dtype=dtype)
+        else:
+            self.q_a_proj = _replicated(hidden, self.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6, dtype)   # HF: default eps, not rms_norm_eps
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, [(heads * qk_dim, first * qk_dim, count * qk_dim)],
+                                                 dtype=dtype)
+        self.kv_a_proj_with_mqa = _replicated(hidden, self.kv_lora_rank + self.rope_dim, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6, dtype)
+        kv_dim = self.nope_dim + self.v_dim
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [(heads * kv_dim, first * kv_dim, count * kv_dim)],
+                                              dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, first * self.v_dim, count * self.v_dim,
+                                        bias=bias, dtype=dtype)
+        self.rotary = rotary
+        self.rope_interleaved = rope_interleaved
+        self.indexer = indexer
+        self.shares_topk = shares_topk
+        self.scale = mla_softmax_scale(config)
+        self.latent_cache: torch.Tensor | None = None
+        self.record_topk = False                         # tests: keep the last selection in `last_topk`
+        self.last_topk: torch.Tensor | None = None
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, ...]:
+        """``(latent_cache,)`` or ``(latent_cache, indexer_cache)``."""
+        if self.indexer is None:
+            return (self.latent_cache,)
+        return self.latent_cache, self.indexer.k_cache
+
+    @kv_cache.setter
+    def kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
+        self.latent_cache = caches[0]
+        # NOTE: the runner gives every layer the same tensors; a GLM "shared" layer has no indexer
+        # and drops its indexer-key tensor here, so that memory is freed (but still counted by the
+        # runner's block sizing).
+        if self.indexer is not None:
+            assert len(caches) == 2, f"layer with a DSA indexer needs (latent, indexer) caches, got {len(caches)}"
+            self.indexer.k_cache = caches[1]
+
+    def _queries(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[T, H_local, nope + rope]`` queries and the q latent (None without q_lora_rank)."""
+        if self.q_lora_rank is None:
+            return self.q_proj(hidden).view(hidden.shape[0], self.num_heads, -1), None
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
+        return self.q_b_proj(q_latent).view(hidden.shape[0], self.num_heads, -1), q_latent
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: PagedBatch,
+                prev_topk: torch.Tensor | None, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        meta = get_attention_metadata()
+        q, q_latent = self._queries(hidden)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)
+        k_pe = apply_rotary(k_pe[:, None, :], cos, sin, self.rope_interleaved)[:, 0]
+        store_rows(self.latent_cache, torch.cat((c, k_pe), dim=-1), meta.slot_mapping)
+
+        topk = prev_topk if self.shares_topk else None
+        if self.indexer is not None and top_k is not None:
+            topk = self.indexer(hidden, q_latent, cos, sin, meta.slot_mapping, batch, top_k)
+        if self.record_topk:
+            self.last_topk = topk
+        if topk is None:
+            allowed = batch.causal.clone()
+        else:
+            allowed = batch.causal & selection_mask(topk, batch.max_seq_len)
+        allowed[:, :, 0] |= ~allowed.any(-1)          # padded query rows: one key instead of none (dropped later)
+
+        latent = batch.gather(self.latent_cache)      # [B, S, kv_lora + rope]
+        c_ctx, k_pe_ctx = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if batch.max_query_len == 1:
+            out = self._attend_absorbed(batch.pad(q_nope), batch.pad(q_pe), c_ctx, k_pe_ctx, allowed)
+        else:
+            out = self._attend_expanded(batch.pad(q_nope), batch.pad(q_pe), c_ctx, k_pe_ctx, allowed)
+        out = batch.unpad(out)                        # [T, H_local, v]
+        return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
+
+    def _softmax(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``scores [B, H, Q, S]`` -> probabilities over allowed keys, float32 softmax as HF."""
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+    def _attend_expanded(self, q_nope, q_pe, c_ctx, k_pe_ctx, allowed) -> torch.Tensor:
+        """Prefill: expand the context through ``kv_b_proj``. Inputs ``[B, Q, H, *]`` queries,
+        ``[B, S, *]`` context; returns ``[B, Q, H, v]``."""
+        batch_size, num_keys = c_ctx.shape[:2]
+        kv = self.kv_b_proj(c_ctx).view(batch_size, num_keys, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        scores = (torch.einsum("bqhn,bshn->bhqs", q_nope, k_nope)
+                  + torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe_ctx)) * self.scale
+        return torch.einsum("bhqs,bshv->bqhv", self._softmax(scores, allowed), value)
+
+    def _attend_absorbed(self, q_nope, q_pe, c_ctx, k_pe_ctx, allowed) -> torch.Tensor:
+        """Decode: ``W_UK`` folded into q, ``W_UV`` after attention; attends over the latent
+        itself. Same shapes as :meth:`_attend_expanded`."""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)        # [H, nope, C], [H, v, C]
+        q_latent = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
+        scores = (torch.einsum("bqhc,bsc->bhqs", q_latent, c_ctx)
+                  + torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe_ctx)) * self.scale
+        out_latent = torch.einsum("bhqs,bsc->bqhc", self._softmax(scores, allowed), c_ctx)
+        return torch.einsum("bqhc,hvc->bqhv", out_latent, w_uv)

@@ -1,0 +1,128 @@
+"""DeepSeek-V3 MoE: sigmoid router with group-limited top-k, routed + shared experts, TP by experts.
+
+Routing follows transformers' ``DeepseekV3TopkRouter`` (DeepSeek-V3 report, Sec. 2.1.2):
+``s = sigmoid(x W_g^T)``; selection uses ``s + e_score_correction_bias`` (the bias only picks
+experts, it never weights them): the ``topk_group`` groups with the largest sum of their top-2
+biased scores are kept, then the ``num_experts_per_tok`` best experts among them; their weights
+are the unbiased ``s``, normalized to sum 1 when ``norm_topk_prob``, times
+``routed_scaling_factor``.
+
+Tensor parallel (DESIGN.md): routed experts are split across ranks in whole experts (possibly
+unevenly), the router is replicated, shared experts split their intermediate dim like a dense
+MLP. Each rank sums its local experts' and its shared-expert slice's partial outputs, and the
+layer does one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import silu_and_mul
+from workers.distributed import get_tp_group
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with its intermediate dim split across ranks.
+
+    Args:
+        hidden_size: model width.
+        intermediate_size: full intermediate size.
+        inter_range: ``(start, size)`` of this rank's intermediate slice.
+        reduce_output: all-reduce the down projection (False: the caller fuses the reduce).
+
+    Shapes: ``[T, hidden_size] -> [T, hidden_size]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, inter_range: tuple[int, int],
+                 reduce_output: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        start, size = inter_range
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [(intermediate_size, start, size), (intermediate_size, start, size)], dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size,
+                                           reduce_output=reduce_output, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class TopkRouter(nn.Module):
+    """Replicated router (``mlp.gate``): weight ``[E, hidden]`` and ``e_score_correction_bias [E]``,
+    both float32 as in HF.
+
+    Shapes: ``hidden [T, hidden] -> (weights [T, k] float32, expert_ids [T, k] int64)``.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = config.n_group or 1
+        self.topk_groups = config.topk_group or 1
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        assert self.num_experts % self.num_groups == 0, \
+            f"n_routed_experts={self.num_experts} not divisible by n_group={self.num_groups}"
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden.float(), self.weight.float()).sigmoid()           # [T, E]
+        biased = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_groups
+        group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1).values.sum(-1)   # [T, G]
+        group_idx = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, per_group).reshape(-1, self.num_experts)
+        biased = biased.masked_fill(~expert_mask, float("-inf"))
+        expert_ids = biased.topk(self.top_k, dim=-1, sorted=False).indices           # [T, k]
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, expert_ids
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts held by this rank plus its slice of the shared experts; one all-reduce.
+
+    Args:
+        config: HF config (``n_routed_experts``, ``moe_intermediate_size``, ``n_shared_experts``...).
+        expert_range: ``(first_expert, num_local_experts)`` this rank holds.
+        shared_range: ``(start, size)`` of this rank's slice of the shared experts' intermediate dim
+            (``moe_intermediate_size * n_shared_experts``).
+
+    Parameter names match the checkpoint: ``experts.{global_id}.gate_up_proj`` (packed from
+    ``gate_proj``/``up_proj``), ``experts.{global_id}.down_proj``, ``shared_experts.*``, ``gate.*``.
+    Shapes: ``[T, hidden] -> [T, hidden]`` (all-reduced).
+    """
+
+    def __init__(self, config, expert_range: tuple[int, int], shared_range: tuple[int, int] | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        first, count = expert_range
+        self.gate = TopkRouter(config)
+        self.experts = nn.ModuleDict({
+            str(e): GatedMLP(hidden, inter, (0, inter), reduce_output=False, dtype=dtype)
+            for e in range(first, first + count)})
+        self.shared_experts = None
+        if shared_range is not None:
+            self.shared_experts = GatedMLP(hidden, inter * config.n_shared_experts, shared_range,
+                                           reduce_output=False, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(hidden)
+        out = torch.zeros_like(hidden)
+        for name, expert in self.experts.items():
+            token_idx, slot_idx = torch.nonzero(expert_ids == int(name), as_tuple=True)
+            if token_idx.numel() == 0:
+                continue
+            routed = expert(hidden[token_idx]) * weights[token_idx, slot_idx, None]
+            out.index_add_(0, token_idx, routed.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        group = get_tp_group()
+        return group.all_reduce(out) if group.tp_size > 1 else out
