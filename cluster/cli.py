@@ -19,13 +19,96 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=None, help="seed (sampling; engine generator)")
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--tensor-split", type=_floats, default=None,
+                        help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    parser.add_argument("--cpus-per-worker", type=float, default=None,
+                        help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD"], default="PACK")
+    parser.add_argument("--cpu-collective", choices=["shm", "gloo"], default=None,
+                        help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
+    parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
+                        help="per-step dispatch to the shard workers: actor calls or a Ray Compiled Graph")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=ns.model, block_size=ns.block_size, kv_cache_gib=ns.kv_cache_gib,
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
-                      enable_prefix_caching=not ns.no_prefix_caching)
+                      enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
+                      tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
+                      tensor_split=getattr(ns, "tensor_split", None))
+
+
+def _group_config(ns: argparse.Namespace):
+    from cluster.coordinator import default_cpus_per_worker
+    from cluster.worker_group import GroupConfig
+
+    return GroupConfig(tensor_parallel_size=ns.tensor_parallel_size,
+                       cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(ns.tensor_parallel_size),
+                       gpus_per_worker=ns.gpus_per_worker, strategy=ns.placement_strategy,
+                       collective=ns.cpu_collective, dispatch=ns.dispatch)
+
+
+def init_ray(address: str | None, cpus_needed: float) -> None:
+    """Join ``address`` or start a local Ray with at least ``cpus_needed`` logical CPUs."""
+    import os
+
+    import ray
+
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(-(-cpus_needed // 1))), include_dashboard=False,
+                 logging_level=logging.WARNING)
+
+
+def _wait_for_interrupt() -> None:
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _serve_grpc(ns: argparse.Namespace) -> int:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from cluster.coordinator import launch_coordinator
+
+    args, group = _engine_args(ns), _group_config(ns)
+    args.validate()
+    init_ray(ns.address, 1 + group.cpus_per_worker * args.tensor_parallel_size)
+    handle, pg = launch_coordinator(args, group)
+    try:
+        address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
+        print(f"shardserve gRPC API (shardserve.v1.Inference) on {address}", flush=True)
+        _wait_for_interrupt()
+    finally:
+        try:
+            ray.get(handle.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+        ray.kill(handle)
+        remove_placement_group(pg)
+        ray.shutdown()
+    return 0
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -56,9 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=_generate)
+
+    grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C")
+    _engine_flags(grpc_cmd)
+    _cluster_flags(grpc_cmd)
+    grpc_cmd.add_argument("--grpc-port", type=int, default=50051)
+    grpc_cmd.add_argument("--host", default="0.0.0.0")
+    grpc_cmd.set_defaults(func=_serve_grpc)
     return parser
 
 

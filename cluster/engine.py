@@ -17,8 +17,8 @@ from typing import Protocol
 from cluster.block_manager import BlockManager
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.request import Logprob, Request, RequestStatus, SamplingParams
-from cluster.scheduler import Scheduler, SchedulerConfig
-from workers.messages import StepPlan, StepResult
+from cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from workers.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -111,21 +111,28 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute, and turn the samples into per-request deltas."""
-        batch = self.scheduler.schedule()
-        if not batch.plan.scheduled:
-            return []
-        result = self.executor.execute(batch.plan)
+    def schedule(self) -> ScheduledBatch:
+        """This step's plan (empty ``plan.scheduled`` when there is nothing to run)."""
+        return self.scheduler.schedule()
+
+    def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Apply rank 0's samples for ``batch``: append tokens, check stops, emit deltas.
+        Requests aborted while the step ran are skipped."""
         for request in batch.requests:
             self.block_manager.cache_full_blocks(request)
         outputs = []
         for sampled in result.sampled:
             tracked = self.requests.get(sampled.req_id)
-            if tracked is None:
-                continue
-            outputs.append(self._append(tracked, sampled))
+            if tracked is not None:
+                outputs.append(self._append(tracked, sampled))
         return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute (blocking), update."""
+        batch = self.schedule()
+        if not batch.plan.scheduled:
+            return []
+        return self.update(batch, self.executor.execute(batch.plan))
 
     def _append(self, tracked: _Tracked, sampled) -> RequestOutput:
         request = tracked.request
@@ -158,6 +165,37 @@ class EngineCore:
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def probe_plan(self, prompt_ids: list[int]) -> tuple[StepPlan, Request]:
+        """A one-off plan that prefills ``prompt_ids`` on blocks borrowed from the pool and returns
+        last-position logits (tests and debugging; run it between steps). Give the probe back with
+        :meth:`release_probe` whether or not the plan ran.
+
+        Raises:
+            ValueError: the prompt is empty or does not fit the free blocks.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        probe = Request(f"probe-{next(self._ids)}", list(prompt_ids), SamplingParams(temperature=0))
+        if not self.block_manager.allocate_slots(probe, len(prompt_ids)):
+            raise ValueError(f"{len(prompt_ids)} tokens do not fit the {self.block_manager.num_free_blocks} free blocks")
+        plan = StepPlan([NewRequestData(probe.request_id, probe.params.sampling_options())],
+                        [ScheduledRequest(probe.request_id, probe.prompt_token_ids, 0, list(probe.block_ids), True, 0)],
+                        finished_req_ids=[], return_logits=True)
+        return plan, probe
+
+    def release_probe(self, probe: Request) -> None:
+        """Free a probe's blocks and have the workers forget it."""
+        self.block_manager.free(probe)
+        self.scheduler.forget_on_workers(probe.request_id)
+
+    def prompt_logits(self, prompt_ids: list[int]):
+        """Last-position logits of ``prompt_ids``, ``[vocab]`` float32 (blocking; see :meth:`probe_plan`)."""
+        plan, probe = self.probe_plan(prompt_ids)
+        try:
+            return self.executor.execute(plan).logits[0]
+        finally:
+            self.release_probe(probe)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with ``finish_reason="error"`` (e.g. a worker died)."""

@@ -45,6 +45,8 @@ class LLM:
         self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
             block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
             num_blocks=args.num_blocks, seed=args.seed), progress=progress)
+        if not self.runner.num_blocks:
+            self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,

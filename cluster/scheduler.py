@@ -64,6 +64,10 @@ class Scheduler:
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
 
+    def forget_on_workers(self, request_id: str) -> None:
+        """Have the next plan tell the workers to drop ``request_id``'s state."""
+        self._finished_ids.append(request_id)
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED

@@ -29,3 +29,57 @@ def smollm2_hf(smollm2_files):
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_files.folder), gguf_file=smollm2_files.path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster with 8 logical CPUs (enough bundles for TP=3 + a coordinator on
+    this 2-core machine); shut down at the end of the session, even on failure."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+class Replicas:
+    """Starts coordinators (+ shard workers, in their own placement group) and always stops them."""
+
+    def __init__(self, ray_mod) -> None:
+        self.ray = ray_mod
+        self.groups: dict = {}
+
+    def launch(self, args, group):
+        from cluster.coordinator import launch_coordinator
+
+        handle, pg = launch_coordinator(args, group)
+        self.groups[handle] = pg
+        return handle
+
+    def stop(self, handle) -> None:
+        """Shut a replica down and release its placement group (frees its CPUs for the next)."""
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self.groups.pop(handle)
+        try:
+            self.ray.get(handle.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - already dead (e.g. the worker-death test)
+            pass
+        self.ray.kill(handle)
+        remove_placement_group(pg)
+
+    def stop_all(self) -> None:
+        for handle in list(self.groups):
+            self.stop(handle)
+
+
+@pytest.fixture(scope="session")
+def replicas(ray_cluster):
+    """:class:`Replicas` for the session; whatever is still running is stopped at the end."""
+    manager = Replicas(ray_cluster)
+    try:
+        yield manager
+    finally:
+        manager.stop_all()

@@ -4,15 +4,21 @@ NOTE: one of the two module-level globals of the workers (the other is the forwa
 ``workers/forward_context.py``). A process has one TP group, set once at worker start-up by
 :func:`set_tp_group`; layers read it through :func:`get_tp_group`. At ``tp_size == 1`` every
 collective is the identity and costs nothing.
+
+Backends (pick with :func:`collective_kind`): ``shm`` (shared-memory all-reduce for CPU ranks on
+one node, ``workers/comm_cpu.py``), ``gloo`` (torch.distributed, CPU ranks on several nodes), and
+``nccl`` (NCCL through CuPy on GPUs, ``workers/comm_nccl.py``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class TensorParallelGroup:
-    """Rank ``tp_rank`` of ``tp_size``; subclasses implement the collectives over a backend.
+    """Rank ``tp_rank`` of ``tp_size``. Subclasses implement :meth:`all_reduce` and
+    :meth:`_all_gather_equal`; the uneven all-gather is built on the latter here, once.
 
     The base class is the single-rank group: collectives return their input.
     """
@@ -23,15 +29,32 @@ class TensorParallelGroup:
         self.tp_size = tp_size
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over all ranks (in place where the backend allows); returns the sum."""
+        """Sum ``tensor`` over all ranks; every rank gets the same (bitwise) result."""
         assert self.tp_size == 1, "single-rank group cannot all-reduce across ranks"
         return tensor
 
+    def _all_gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (all of one shape), in rank order."""
+        assert self.tp_size == 1, "single-rank group cannot all-gather across ranks"
+        return [tensor]
+
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate each rank's ``tensor`` along the last dim; rank r contributes ``sizes[r]``
-        columns (uneven splits allowed). Returns ``[..., sum(sizes)]`` on every rank."""
-        assert self.tp_size == 1, "single-rank group cannot all-gather across ranks"
-        return tensor
+        columns (uneven splits allowed). Returns ``[..., sum(sizes)]`` on every rank.
+
+        Ranks pad to ``max(sizes)`` so the backend moves equal shapes, then cut the padding.
+        """
+        assert len(sizes) == self.tp_size and tensor.shape[-1] == sizes[self.tp_rank], \
+            f"rank {self.tp_rank} has {tensor.shape[-1]} columns, sizes={sizes}"
+        if self.tp_size == 1:
+            return tensor
+        width = max(sizes)
+        padded = F.pad(tensor, (0, width - tensor.shape[-1])).contiguous()
+        parts = self._all_gather_equal(padded)
+        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+    def close(self) -> None:
+        """Release backend resources (idempotent)."""
 
 
 _TP_GROUP: TensorParallelGroup = TensorParallelGroup()
@@ -46,3 +69,19 @@ def set_tp_group(group: TensorParallelGroup) -> None:
 def get_tp_group() -> TensorParallelGroup:
     """This process's TP group (the single-rank group unless :func:`set_tp_group` ran)."""
     return _TP_GROUP
+
+
+def collective_kind(device: str, same_node: bool, requested: str | None = None) -> str:
+    """The backend for a group: ``nccl`` on CUDA; on CPU ``shm`` when every rank shares a node,
+    else ``gloo``. ``requested`` (``shm``/``gloo``) overrides on CPU.
+
+    Raises:
+        ValueError: an unknown or impossible request (``shm`` across nodes).
+    """
+    if device.startswith("cuda"):
+        return "nccl"
+    if requested not in (None, "shm", "gloo"):
+        raise ValueError(f"unknown CPU collective {requested!r}: expected 'shm' or 'gloo'")
+    if requested == "shm" and not same_node:
+        raise ValueError("the shared-memory all-reduce needs every rank on one node; use 'gloo'")
+    return requested or ("shm" if same_node else "gloo")

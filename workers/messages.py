@@ -49,6 +49,7 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # forget these before scheduling
+    return_logits: bool = False     # rank 0 also returns the raw logits (tests, debugging)
 
 
 @dataclass(slots=True)
@@ -66,3 +67,4 @@ class StepResult:
     """Rank 0's answer to a :class:`StepPlan`."""
 
     sampled: list[SampledToken] = field(default_factory=list)
+    logits: object = None           # [num_sampled, vocab] float32 torch tensor when the plan asked

@@ -60,23 +60,34 @@ class ModelRunner:
         self.model, self.weight_bytes = build_model(hf_config, open_checkpoint(files.path),
                                                     config.tensor_split, config.dtype, progress)
         self.block_size = config.block_size
-        self._allocate_kv_cache()
         self.requests: dict[str, _RequestState] = {}
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.num_blocks, self.cache_bytes = 0, 0
+        if config.num_blocks is not None:
+            self.allocate_kv_cache(config.num_blocks)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV cache bytes one block takes on this rank, over all layers."""
+        shapes = self.model.kv_cache_shape(1, self.block_size)
+        itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
+        return len(self.model.attention_layers()) * sum(torch.Size(s).numel() for s in shapes) * itemsize
+
+    def max_num_blocks(self) -> int:
+        """Blocks that fit this rank's budget (``num_blocks`` when set, else ``kv_cache_bytes``)."""
+        return self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.bytes_per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks in every layer's cache tensors (every rank gets the same
+        count: the smallest any rank can hold), zero-filled."""
+        self.num_blocks = num_blocks
+        self.cache_bytes = num_blocks * self.bytes_per_block
+        for layer in self.model.attention_layers():
+            layer.kv_cache = tuple(torch.zeros(s, dtype=self.config.dtype)
+                                   for s in self.model.kv_cache_shape(num_blocks, self.block_size))
         logger.info("rank %d: weights %.1f MiB, KV cache %.1f MiB in %d blocks of %d tokens",
                     get_tp_group().tp_rank, self.weight_bytes / 2**20, self.cache_bytes / 2**20,
                     self.num_blocks, self.block_size)
-
-    def _allocate_kv_cache(self) -> None:
-        layers = self.model.attention_layers()
-        shapes = self.model.kv_cache_shape(1, self.block_size)
-        itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
-        bytes_per_block = len(layers) * sum(torch.Size(s).numel() for s in shapes) * itemsize
-        self.num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // bytes_per_block)
-        self.cache_bytes = self.num_blocks * bytes_per_block
-        for layer in layers:
-            layer.kv_cache = tuple(torch.zeros(s, dtype=self.config.dtype)
-                                   for s in self.model.kv_cache_shape(self.num_blocks, self.block_size))
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
@@ -133,4 +144,5 @@ class ModelRunner:
         sampling = [s for s in plan.scheduled if s.sample]
         options = [self.requests[s.req_id].sampling for s in sampling]
         tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
-        return StepResult(sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options))
+        return StepResult(sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options),
+                          logits if plan.return_logits else None)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from cluster.request import SamplingParams
-from workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
 
 pytestmark = pytest.mark.slow
 
@@ -49,19 +48,12 @@ def test_chat_prompts_are_templated_once(smollm2_llm, prompt_ids):
 
 
 def test_prefill_logits_match_transformers(smollm2_llm, smollm2_hf, prompt_ids):
-    runner = smollm2_llm.runner
     for i, ids in enumerate(prompt_ids):
-        req_id = f"parity-{i}"
-        blocks = list(range(-(-len(ids) // runner.block_size)))
-        plan = StepPlan([NewRequestData(req_id, SamplingOptions(temperature=0))],
-                        [ScheduledRequest(req_id, ids, 0, blocks, True, 0)])
-        ours = runner.compute_logits(plan)[0]
-        runner.compute_logits(StepPlan(finished_req_ids=[req_id]))
+        ours = smollm2_llm.core.prompt_logits(ids)
         with torch.no_grad():
             ref = smollm2_hf(torch.tensor([ids])).logits[0, -1].float()
         diff = (ours - ref).abs().max().item()
         assert diff < 1e-3, f"prompt {i}: prefill logits max-abs-diff {diff}"
-    smollm2_llm.core.block_manager.reset_prefix_cache()  # we wrote blocks behind the engine's back
 
 
 def test_greedy_one_at_a_time_equals_transformers_generate(smollm2_llm, prompt_ids, hf_greedy):

@@ -1,0 +1,125 @@
+"""CPU collectives across real processes: the shared-memory group and gloo give the reference sums
+and gathers (uneven sizes), bitwise equal on every rank; an aborted segment unblocks waiters."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from workers.comm_cpu import GlooGroup, SharedMemoryGroup, SharedMemorySegment
+from workers.distributed import TensorParallelGroup, collective_kind
+
+WORLD = 3
+SIZES = [3, 1, 2]  # uneven all-gather widths per rank
+
+
+def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(5, 7, generator=gen), torch.randn(4, SIZES[rank], generator=gen)
+
+
+def _run(rank: int, kind: str, info: dict, out: dict) -> None:
+    torch.set_num_threads(1)
+    if kind == "shm":
+        group = SharedMemoryGroup(rank, WORLD, info["name"], info["max_floats"], timeout_s=60)
+    else:
+        group = GlooGroup(rank, WORLD, info["init_method"], timeout_s=60)
+    try:
+        reduce_in, gather_in = rank_inputs(rank)
+        results = []
+        for _ in range(5):  # several calls: both alternating slot sets get used
+            results.append(group.all_reduce(reduce_in.clone()))
+        out[rank] = (torch.stack(results), group.all_gather(gather_in, SIZES))
+    finally:
+        group.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_all_reduce_and_uneven_all_gather(kind):
+    segment = SharedMemorySegment(WORLD, max_floats=64) if kind == "shm" else None
+    info = {"name": segment.name, "max_floats": 64} if segment else {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=_run, args=(r, kind, info, out)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        results = dict(out)
+    if segment:
+        segment.close()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    inputs = [rank_inputs(r) for r in range(WORLD)]
+    expected_sum = sum(x for x, _ in inputs)
+    expected_gather = torch.cat([g for _, g in inputs], dim=-1)
+    for rank in range(WORLD):
+        reduced, gathered = results[rank]
+        torch.testing.assert_close(reduced, expected_sum.expand(5, 5, 7), rtol=1e-6, atol=1e-6)
+        assert torch.equal(reduced, results[0][0])  # bitwise identical on every rank
+        assert torch.equal(gathered, expected_gather)
+
+
+def _wait_alone(name: str, out: dict) -> None:
+    group = SharedMemoryGroup(1, 2, name, 16, timeout_s=60)
+    try:
+        group.all_reduce(torch.ones(4))
+        out["result"] = "returned"
+    except RuntimeError as exc:
+        out["result"] = str(exc)
+    finally:
+        group.close()
+
+
+def test_abort_unblocks_a_rank_waiting_for_a_dead_peer():
+    segment = SharedMemorySegment(2, max_floats=16)
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        proc = ctx.Process(target=_wait_alone, args=(segment.name, out))
+        proc.start()
+        import time
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _flag(segment, 1) == 0:  # rank 1 entered its collective
+            time.sleep(0.01)
+        segment.abort()
+        proc.join(timeout=30)
+        result = out.get("result")
+    segment.close()
+    assert proc.exitcode == 0 and "aborted" in result
+
+
+def _flag(segment: SharedMemorySegment, rank: int) -> int:
+    import numpy as np
+
+    flags = np.ndarray((3 * 8,), np.int64, buffer=segment.shm.buf)
+    value = int(flags[rank * 8])
+    del flags
+    return value
+
+
+def test_single_rank_group_is_identity_and_backend_choice():
+    group = TensorParallelGroup()
+    x = torch.randn(2, 3)
+    assert group.all_reduce(x) is x and group.all_gather(x, [3]) is x
+    assert collective_kind("cpu", same_node=True) == "shm"
+    assert collective_kind("cpu", same_node=False) == "gloo"
+    assert collective_kind("cuda:0", same_node=True) == "nccl"
+    with pytest.raises(ValueError, match="needs every rank on one node"):
+        collective_kind("cpu", same_node=False, requested="shm")
+
+
+def test_nccl_backend_imports_without_cupy():
+    import workers.comm_nccl as nccl  # cupy is imported lazily, on first use on a GPU
+
+    assert issubclass(nccl.CupyNcclGroup, TensorParallelGroup)

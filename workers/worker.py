@@ -1,0 +1,99 @@
+"""ShardWorker: one tensor-parallel rank as a Ray actor (the class is plain; the cluster wraps it
+with ``ray.remote``). It joins the TP group, loads only its slice of the weights, allocates its
+own paged caches, and executes step plans; rank 0 returns the samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+
+from workers.distributed import TensorParallelGroup, set_tp_group
+from workers.messages import StepPlan, StepResult
+from workers.model_runner import ModelRunner, RunnerConfig
+from workers.model_source import ModelFiles
+
+logger = logging.getLogger(__name__)
+
+
+class ShardWorker:
+    """One TP rank.
+
+    Args:
+        tp_rank, tp_size: this rank.
+        num_threads: torch intra-op threads (the CPUs reserved for this rank).
+    """
+
+    def __init__(self, tp_rank: int, tp_size: int, num_threads: int = 1) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        torch.set_num_threads(max(1, num_threads))
+        self.group: TensorParallelGroup | None = None
+        self.runner: ModelRunner | None = None
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    # -- rendezvous helpers (called on rank 0 before the group exists) ------------------------
+    def node_address(self) -> tuple[str, str]:
+        """``(node id, ip)`` of this actor's node."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def nccl_unique_id(self) -> tuple:
+        from workers.comm_nccl import nccl_unique_id
+
+        return nccl_unique_id()
+
+    # -- start-up -----------------------------------------------------------------------------
+    def init_group(self, kind: str, info: dict) -> None:
+        """Join the TP group. ``info``: ``init_method`` (gloo), ``name``/``max_floats`` (shm),
+        ``unique_id`` (nccl)."""
+        if self.tp_size == 1:
+            self.group = TensorParallelGroup()
+        elif kind == "gloo":
+            from workers.comm_cpu import GlooGroup
+
+            self.group = GlooGroup(self.tp_rank, self.tp_size, info["init_method"])
+        elif kind == "shm":
+            from workers.comm_cpu import SharedMemoryGroup
+
+            self.group = SharedMemoryGroup(self.tp_rank, self.tp_size, info["name"], info["max_floats"])
+        elif kind == "nccl":
+            from workers.comm_nccl import CupyNcclGroup
+
+            self.group = CupyNcclGroup(self.tp_rank, self.tp_size, info["unique_id"])
+        else:
+            raise ValueError(f"unknown collective backend {kind!r}")
+        set_tp_group(self.group)
+
+    def load(self, files: ModelFiles, hf_config, config: RunnerConfig) -> dict:
+        """Build this rank's model shard (only its slice of each weight).
+
+        Returns:
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid"}`` for the coordinator,
+            which then calls :meth:`allocate_kv_cache` with the smallest block count of any rank.
+        """
+        self.runner = ModelRunner(files, hf_config, config, progress=False)
+        return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
+                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid()}
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Allocate the paged caches; returns their bytes on this rank."""
+        self.runner.allocate_kv_cache(num_blocks)
+        return self.runner.cache_bytes
+
+    # -- every step ---------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step; rank 0 returns the samples (and logits when the plan asks)."""
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
