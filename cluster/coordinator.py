@@ -196,13 +196,14 @@ class Coordinator:
         return [info["pid"] for info in self.group.rank_info]
 
     async def start_grpc(self, port: int = 50051, host: str = "0.0.0.0") -> str:
-        """Start the gRPC server on this actor's event loop; returns ``ip:port`` actually bound."""
+        """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
+        node's IP when bound to all interfaces)."""
         from cluster.grpc_server import start_grpc_server
 
         self._ensure_loop()
         if self._grpc is None:
             self._grpc = await start_grpc_server(self, host, port)
-        return f"{self._node_ip}:{self._grpc.port}"
+        return f"{self._node_ip if host in ('0.0.0.0', '::', '') else host}:{self._grpc.port}"
 
     async def shutdown(self) -> None:
         """Stop serving, stop the ranks, release the placement group and shared memory."""
