@@ -20,6 +20,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=None, help="seed (sampling; engine generator)")
+    parser.add_argument("--dsa", action=argparse.BooleanOptionalAction, default=None,
+                        help="DSA sparse attention for DeepSeek-V3.2 / GLM-5 (--no-dsa: dense MLA)")
+    parser.add_argument("--dsa-top-k", type=int, default=None, help="keys per query under DSA (default: index_topk)")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
-                      tensor_split=getattr(ns, "tensor_split", None))
+                      tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k)
 
 
 def _group_config(ns: argparse.Namespace):

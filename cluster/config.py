@@ -21,6 +21,9 @@ class EngineArgs:
         enable_prefix_caching: reuse KV blocks of equal prompt prefixes.
         seed: seed of the generator used by unseeded sampled requests.
         tensor_parallel_size / tensor_split: TP ranks and their relative shares (uneven splits).
+        dsa: DSA sparse attention on/off for DeepSeek-V3.2 / GLM-5 (None = on when the checkpoint
+            has an indexer; off = dense MLA).
+        dsa_top_k: keys each query attends to under DSA (None = the checkpoint's ``index_topk``).
     """
 
     model: str = DEFAULT_MODEL
@@ -34,6 +37,8 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     tensor_split: list[float] | None = None
+    dsa: bool | None = None
+    dsa_top_k: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -43,3 +48,13 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_split is not None and len(self.tensor_split) != self.tensor_parallel_size:
             raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")
+        if self.dsa_top_k is not None and self.dsa_top_k < 1:
+            raise ValueError(f"--dsa-top-k must be >= 1, got {self.dsa_top_k}")
+
+    def model_config(self, hf_config):
+        """``hf_config`` with this engine's model switches applied (read by the model classes)."""
+        if self.dsa is not None:
+            hf_config.shardserve_dsa = self.dsa
+        if self.dsa_top_k is not None:
+            hf_config.shardserve_dsa_top_k = self.dsa_top_k
+        return hf_config

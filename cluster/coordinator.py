@@ -50,7 +50,7 @@ class Coordinator:
         args.validate()
         self.args = args
         self.files = resolve_model(args.model)
-        self.hf_config = load_config(self.files)
+        self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         group = group or GroupConfig(tensor_parallel_size=args.tensor_parallel_size)
         group.tensor_parallel_size = args.tensor_parallel_size

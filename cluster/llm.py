@@ -40,7 +40,7 @@ class LLM:
             raise ValueError("the single-process engine runs TP=1; use the cluster for tensor parallelism")
         self.args = args
         self.files = resolve_model(args.model)
-        self.hf_config = load_config(self.files)
+        self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
             block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),

@@ -13,31 +13,14 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from plan_driver import PlanDriver, make_runner
-from workers.distributed import TensorParallelGroup, set_tp_group
+from workers.comm_cpu import GlooGroup
+from workers.distributed import set_tp_group
 
 SPLITS = {"deepseek_v32": [3.0, 1.0], "glm_moe_dsa": [1.0, 1.0], "deepseek_v3": [1.0, 3.0]}
 TIMEOUT_S = 240
-
-
-class GlooGroup(TensorParallelGroup):
-    """Test-only TP group over ``torch.distributed`` gloo."""
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.contiguous()
-        dist.all_reduce(tensor)
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        width = max(sizes)   # gloo all_gather needs equal shapes: pad, gather, cut
-        padded = F.pad(tensor, (0, width - tensor.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded)
-        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
 
 
 def run_script(runner) -> torch.Tensor:
@@ -62,9 +45,9 @@ def run_script(runner) -> torch.Tensor:
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, str]], out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    group = GlooGroup(rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
-        set_tp_group(GlooGroup(rank, world_size))
+        set_tp_group(group)
         results, layout = {}, {}
         for arch, path in jobs:
             runner = make_runner(path, tensor_split=SPLITS[arch])
@@ -73,7 +56,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, str]], 
             layout[arch] = (runner.model.attention_layers()[0].num_heads, len(moe.experts))
         torch.save({"logits": results, "layout": layout}, f"{out_path}.{rank}")
     finally:
-        dist.destroy_process_group()
+        group.close()
 
 
 def _free_port() -> int:
