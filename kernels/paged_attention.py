@@ -8,6 +8,8 @@ of sequence b are its last ``q_len_b`` positions, so position ``seq_lens[b] - q_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -75,9 +77,41 @@ def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
     return torch.where(valid, slots, 0), valid
 
 
+@dataclass(slots=True)
+class PaddedLayout:
+    """Where packed queries and paged keys go in a padded ``[B, Q, S]`` batch (torch path).
+
+    Depends only on the step's metadata, so it is built once per step and shared by the layers
+    (``step_cache`` of :func:`paged_attention_ref`).
+    """
+
+    seq_of_token: torch.Tensor   # [T] int64, sequence of each packed query token
+    row_of_token: torch.Tensor   # [T] int64, its row in the padded query batch
+    slots: torch.Tensor          # [B, S] int64, cache slot of every context position (0 where invalid)
+    mask: torch.Tensor           # [B, 1, Q, S] bool, causal and length mask
+
+
+def padded_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                  block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int) -> PaddedLayout:
+    """Build the :class:`PaddedLayout` of one step (shapes as in :func:`paged_attention_ref`)."""
+    device = seq_lens.device
+    batch = seq_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                      # [B]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
+    row_of_token = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+    slots, valid = gather_slots(block_tables, seq_lens, block_size, max_seq_len)
+    # Query row i of sequence b sits at position seq_len - q_len + i; it sees keys at <= that.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+    k_pos = torch.arange(max_seq_len, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]   # [B, Q, S]
+    mask[:, :, 0] |= ~mask.any(-1)  # padded rows see one key instead of none (no NaN); dropped later
+    return PaddedLayout(seq_of_token, row_of_token, slots, mask[:, None])
+
+
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                        scale: float, max_query_len: int, max_seq_len: int,
+                        step_cache: dict | None = None) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged K/V.
 
     Args:
@@ -89,31 +123,27 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         query_start_loc: ``[B + 1]`` int, cumulative query counts.
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
         max_query_len, max_seq_len: host-side maxima of the per-sequence lengths.
+        step_cache: a dict living for one forward step; the :class:`PaddedLayout` is kept there
+            so the layers of a step build it once.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     num_tokens, num_heads, head_dim = query.shape
-    batch = seq_lens.shape[0]
-    block_size = k_cache.shape[1]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]                      # [B]
-    # Which (sequence, row) each packed query token lands on in the padded batch.
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens, output_size=num_tokens)
-    row_of_token = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of_token]
-    q_pad = query.new_zeros(batch, max_query_len, num_heads, head_dim)
-    q_pad[seq_of_token, row_of_token] = query
-    slots, valid = gather_slots(block_tables, seq_lens, block_size, max_seq_len)
-    keys = k_cache.view(-1, *k_cache.shape[2:])[slots]                         # [B, S, Hkv, D]
-    values = v_cache.view(-1, *v_cache.shape[2:])[slots]
-    # Query row i of sequence b sits at position seq_len - q_len + i; it sees keys at <= that.
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=query.device)[None, :]
-    k_pos = torch.arange(max_seq_len, device=query.device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]   # [B, Q, S]
-    mask[:, :, 0] |= ~mask.any(-1)  # padded rows see one key instead of none (no NaN); dropped below
+    layout = None if step_cache is None else step_cache.get("padded_layout")
+    if layout is None:
+        layout = padded_layout(block_tables, seq_lens, query_start_loc, k_cache.shape[1], max_query_len,
+                               max_seq_len, num_tokens)
+        if step_cache is not None:
+            step_cache["padded_layout"] = layout
+    q_pad = query.new_zeros(seq_lens.shape[0], max_query_len, num_heads, head_dim)
+    q_pad[layout.seq_of_token, layout.row_of_token] = query
+    keys = k_cache.view(-1, *k_cache.shape[2:])[layout.slots]                  # [B, S, Hkv, D]
+    values = v_cache.view(-1, *v_cache.shape[2:])[layout.slots]
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != k_cache.shape[2])
-    return out.transpose(1, 2)[seq_of_token, row_of_token]
+        attn_mask=layout.mask, scale=scale, enable_gqa=num_heads != k_cache.shape[2])
+    return out.transpose(1, 2)[layout.seq_of_token, layout.row_of_token]
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -139,13 +169,16 @@ def store_cache(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, max_query_len: int, max_seq_len: int,
+                    step_cache: dict | None = None) -> torch.Tensor:
     """Dispatching paged attention (:func:`kernels.paged_attention_triton.paged_attention_triton`
-    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode)."""
+    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode).
+
+    ``step_cache``: see :func:`paged_attention_ref`."""
     if use_triton(query):
         from kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, max_seq_len)
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               scale, max_query_len, max_seq_len)
+                               scale, max_query_len, max_seq_len, step_cache)

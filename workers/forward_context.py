@@ -8,7 +8,7 @@ resets it, so a failed step cannot leak metadata into the next.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
     max_query_len: int              # host copy of max(q_len)
     max_seq_len: int                # host copy of max(seq_lens)
+    step_cache: dict = field(default_factory=dict)  # tensors derived from the above, built once per step
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = self.kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              self.scale, meta.max_query_len, meta.max_seq_len)
+                              self.scale, meta.max_query_len, meta.max_seq_len, meta.step_cache)
         return self.o_proj(out.reshape(-1, q_size))
 
 
