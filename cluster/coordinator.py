@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 
 from cluster.config import EngineArgs
@@ -68,6 +69,7 @@ class Coordinator:
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
                                args.enable_prefix_caching)
         self.healthy, self.error = True, None
+        self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -95,7 +97,9 @@ class Coordinator:
                     await asyncio.sleep(0.001)
                     continue
                 try:
+                    started = time.perf_counter()
                     result = await asyncio.to_thread(self.group.execute, batch.plan)
+                    self._record_step(time.perf_counter() - started, result)
                 except WorkerDiedError as exc:
                     await self._fail(str(exc))
                     return
@@ -103,6 +107,19 @@ class Coordinator:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+    def _record_step(self, wall_s: float, result) -> None:
+        stats = self.step_stats
+        stats["steps"] += 1
+        stats["step_s"] += wall_s                      # coordinator's round trip to all ranks
+        stats["execute_s"] += result.execute_s         # rank 0 inside execute
+        stats["collective_s"] += result.collective_s   # rank 0 inside all-reduce / all-gather
+
+    def take_step_stats(self) -> dict:
+        """Totals since the last call (seconds): ``steps``, ``step_s`` (dispatch round trip),
+        ``execute_s`` (rank 0 compute incl. collectives), ``collective_s``; then reset."""
+        stats, self.step_stats = self.step_stats, dict.fromkeys(self.step_stats, 0.0)
+        return stats
 
     async def _fail(self, message: str) -> None:
         logger.error("replica unhealthy: %s", message)

@@ -21,12 +21,21 @@ class TensorParallelGroup:
     :meth:`_all_gather_equal`; the uneven all-gather is built on the latter here, once.
 
     The base class is the single-rank group: collectives return their input.
+    ``collective_s`` accumulates the wall time spent in collectives (seconds; the worker reports
+    it per step).
     """
 
     def __init__(self, tp_rank: int = 0, tp_size: int = 1) -> None:
         assert 0 <= tp_rank < tp_size, f"tp_rank={tp_rank} outside tp_size={tp_size}"
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.collective_s = 0.0
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("all_reduce", "_all_gather_equal"):
+            if name in cls.__dict__:
+                setattr(cls, name, _timed(cls.__dict__[name]))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks; every rank gets the same (bitwise) result."""
@@ -55,6 +64,22 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Release backend resources (idempotent)."""
+
+
+def _timed(method):
+    """Wrap a collective so its wall time adds to ``self.collective_s``."""
+    import functools
+    import time
+
+    @functools.wraps(method)
+    def wrapper(self, tensor):
+        start = time.perf_counter()
+        try:
+            return method(self, tensor)
+        finally:
+            self.collective_s += time.perf_counter() - start
+
+    return wrapper
 
 
 _TP_GROUP: TensorParallelGroup = TensorParallelGroup()

@@ -68,3 +68,5 @@ class StepResult:
 
     sampled: list[SampledToken] = field(default_factory=list)
     logits: object = None           # [num_sampled, vocab] float32 torch tensor when the plan asked
+    execute_s: float = 0.0          # rank 0's wall time inside execute (s)
+    collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
 
@@ -91,8 +92,14 @@ class ShardWorker:
 
     # -- every step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step; rank 0 returns the samples (and logits when the plan asks)."""
-        return self.runner.execute(plan)
+        """Run one step; rank 0 returns the samples (and logits when the plan asks) with its
+        time inside this call and inside collectives."""
+        start, collective_before = time.perf_counter(), self.group.collective_s
+        result = self.runner.execute(plan)
+        if result is not None:
+            result.execute_s = time.perf_counter() - start
+            result.collective_s = self.group.collective_s - collective_before
+        return result
 
     def shutdown(self) -> None:
         if self.group is not None:
