@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kernels import apply_rotary
+from kernels.mla_attention import mla_attention
 from workers.forward_context import get_attention_metadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
@@ -141,20 +142,33 @@ class MLAAttention(nn.Module):
             topk = self.indexer(hidden, q_latent, cos, sin, meta.slot_mapping, batch, top_k)
         if self.record_topk:
             self.last_topk = topk
+        if batch.max_query_len == 1:
+            out = self._decode(q_nope, q_pe, meta, None if topk is None else topk[:, 0])
+        else:
+            out = batch.unpad(self._prefill(batch, batch.pad(q_nope), batch.pad(q_pe), topk))   # [T, H_local, v]
+        return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
+
+    def _prefill(self, batch: PagedBatch, q_nope, q_pe, topk) -> torch.Tensor:
+        """Prefill / mixed steps: expand the context through ``kv_b_proj`` (padded ``[B, Q, H, *]``)."""
         if topk is None:
             allowed = batch.causal.clone()
         else:
             allowed = batch.causal & selection_mask(topk, batch.max_seq_len)
         allowed[:, :, 0] |= ~allowed.any(-1)          # padded query rows: one key instead of none (dropped later)
-
         latent = batch.gather(self.latent_cache)      # [B, S, kv_lora + rope]
         c_ctx, k_pe_ctx = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if batch.max_query_len == 1:
-            out = self._attend_absorbed(batch.pad(q_nope), batch.pad(q_pe), c_ctx, k_pe_ctx, allowed)
-        else:
-            out = self._attend_expanded(batch.pad(q_nope), batch.pad(q_pe), c_ctx, k_pe_ctx, allowed)
-        out = batch.unpad(out)                        # [T, H_local, v]
-        return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
+        return self._attend_expanded(q_nope, q_pe, c_ctx, k_pe_ctx, allowed)
+
+    def _decode(self, q_nope, q_pe, meta, topk: torch.Tensor | None) -> torch.Tensor:
+        """Decode (one query per sequence): absorbed MLA, ``W_UK`` folded into q and ``W_UV``
+        after attention, over the paged latent cache; with DSA only the ``topk [T, k]`` selected
+        positions are read, so the cost stays flat in the context length. Returns ``[T, H, v]``."""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)        # [H, nope, C], [H, v, C]
+        q_absorbed = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        out_latent = mla_attention(q_absorbed, q_pe, self.latent_cache, meta.block_tables, meta.seq_lens,
+                                   self.scale, topk_indices=topk, max_seq_len=meta.max_seq_len)
+        return torch.einsum("thc,hvc->thv", out_latent, w_uv)
 
     def _softmax(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """``scores [B, H, Q, S]`` -> probabilities over allowed keys, float32 softmax as HF."""
@@ -170,14 +184,3 @@ class MLAAttention(nn.Module):
         scores = (torch.einsum("bqhn,bshn->bhqs", q_nope, k_nope)
                   + torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe_ctx)) * self.scale
         return torch.einsum("bhqs,bshv->bqhv", self._softmax(scores, allowed), value)
-
-    def _attend_absorbed(self, q_nope, q_pe, c_ctx, k_pe_ctx, allowed) -> torch.Tensor:
-        """Decode: ``W_UK`` folded into q, ``W_UV`` after attention; attends over the latent
-        itself. Same shapes as :meth:`_attend_expanded`."""
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)        # [H, nope, C], [H, v, C]
-        q_latent = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
-        scores = (torch.einsum("bqhc,bsc->bhqs", q_latent, c_ctx)
-                  + torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe_ctx)) * self.scale
-        out_latent = torch.einsum("bhqs,bsc->bqhc", self._softmax(scores, allowed), c_ctx)
-        return torch.einsum("bqhc,hvc->bqhv", out_latent, w_uv)
