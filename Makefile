@@ -24,3 +24,5 @@ test: install
 
 bench: install
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_tp.py
+	$(PY) benchmarks/bench_dsa.py
