@@ -79,14 +79,16 @@ def init_ray(address: str | None, cpus_needed: float) -> None:
                  logging_level=logging.WARNING)
 
 
-def _wait_for_interrupt() -> None:
+def _interrupt_event():
+    """An event set by SIGINT / SIGTERM (installed before start-up, so an early Ctrl-C also
+    shuts down cleanly instead of killing the process half-way)."""
     import signal
     import threading
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def _serve_grpc(ns: argparse.Namespace) -> int:
@@ -97,12 +99,13 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
 
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
+    stop = _interrupt_event()
     init_ray(ns.address, 1 + group.cpus_per_worker * args.tensor_parallel_size)
     handle, pg = launch_coordinator(args, group)
     try:
         address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
         print(f"shardserve gRPC API (shardserve.v1.Inference) on {address}", flush=True)
-        _wait_for_interrupt()
+        stop.wait()
     finally:
         try:
             ray.get(handle.shutdown.remote(), timeout=30)
