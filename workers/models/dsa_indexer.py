@@ -23,36 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import apply_rotary
+from kernels.hadamard import hadamard_transform
 from workers.layers.linear import ColumnParallelLinear
 from workers.models.paged_batch import PagedBatch, store_rows
 
 # Query rows scored at once: bounds the [B, rows, H_idx, S] float32 intermediate.
 _SCORE_CHUNK = 256
-
-
-def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """Normalized fast Walsh-Hadamard transform over the last dim (Sylvester order).
-
-    Computes ``x @ H / sqrt(D)`` with ``H = [[H', H'], [H', -H']]``; orthonormal and symmetric,
-    so dot products between transformed vectors equal those between the originals.
-
-    Args:
-        x: ``[..., D]`` with ``D`` a power of two.
-
-    Returns:
-        ``[..., D]`` in ``x.dtype``.
-    """
-    dim = x.shape[-1]
-    assert dim > 0 and dim & (dim - 1) == 0, f"Hadamard transform needs a power-of-two dim, got {dim}"
-    lead = x.shape[:-1]
-    out = x.reshape(-1, dim)
-    half = 1
-    while half < dim:
-        out = out.view(-1, dim // (2 * half), 2, half)
-        even, odd = out[:, :, 0], out[:, :, 1]
-        out = torch.stack((even + odd, even - odd), dim=2)
-        half *= 2
-    return (out.reshape(*lead, dim) * dim ** -0.5).to(x.dtype)
 
 
 def topk_selection(index_scores: torch.Tensor, causal: torch.Tensor, top_k: int) -> torch.Tensor:
