@@ -22,7 +22,7 @@ from plan_driver import PlanDriver, make_runner  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
-def decode_ms(path: Path, context: int, steps: int, dsa: bool, chunk: int = 2048) -> float:
+def decode_ms(path: Path, context: int, steps: int, dsa: bool, chunk: int = 512) -> float:
     block_size = 64
     runner = make_runner(path, block_size=block_size, num_blocks=context // block_size + 8, dsa=dsa)
     driver = PlanDriver(runner)
