@@ -107,7 +107,10 @@ class RouterCore:
                 except Exception as exc:  # noqa: BLE001 - restarting replicas fail calls for a while
                     status = {"state": LOADING, "address": self.pool.replicas[index].address,
                               "error": f"status call failed: {type(exc).__name__}"}
-                self.pool.update(index, status)
+                try:
+                    self.pool.update(index, status)
+                except Exception:  # noqa: BLE001 - keep watching the other replicas
+                    logger.exception("router: bad status from replica %d: %r", index, status)
             ready = len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 

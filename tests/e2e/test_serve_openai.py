@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 
 import grpc
 import openai
@@ -66,8 +67,8 @@ def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dic
 
 
 class Server:
-    def __init__(self, base: str, before_ready: list) -> None:
-        self.base, self.before_ready = base, before_ready
+    def __init__(self, base: str, before_ready: list, groups_before: set[str]) -> None:
+        self.base, self.before_ready, self.groups_before = base, before_ready, groups_before
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def metrics(self) -> dict[str, float]:
@@ -80,6 +81,10 @@ class Server:
         return values
 
 
+def created_placement_groups(ray_mod) -> dict[str, dict]:
+    return {pg_id: g for pg_id, g in ray_mod.util.placement_group_table().items() if g["state"] == "CREATED"}
+
+
 @pytest.fixture(scope="module")
 def server(ray_cluster):
     from ray import serve
@@ -87,6 +92,7 @@ def server(ray_cluster):
     from cluster.serve_app import build_app
 
     port = free_port()
+    groups_before = set(created_placement_groups(ray_cluster))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"model": MODEL, "tensor_parallel_size": 2, "data_parallel_size": 2,
@@ -94,7 +100,7 @@ def server(ray_cluster):
                              "grpc_host": "127.0.0.1", "grpc_port": 0}),
                   name="shardserve-test", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        yield Server(base, wait_until_serving(base))
+        yield Server(base, wait_until_serving(base), groups_before)
     finally:
         serve.shutdown()
 
@@ -136,8 +142,8 @@ def test_answers_503_with_an_openai_body_until_loaded_then_lists_the_model(serve
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     # each replica = one placement group: bundle 0 (the replica) + one bundle per TP rank, no nested group
-    groups = [g for g in ray_cluster.util.placement_group_table().values() if g["state"] == "CREATED"]
-    assert sorted(len(g["bundles"]) for g in groups) == [3, 3]
+    groups = [g for pg_id, g in created_placement_groups(ray_cluster).items() if pg_id not in server.groups_before]
+    assert [sorted(g["bundles"].values(), key=str) for g in groups] == [[{"CPU": 1.0}] * 3] * 2
 
 
 def test_chat_answer_streams_the_same_text_and_counts_tokens_like_the_tokenizer(server, tokenizer, smollm2_llm):
@@ -307,6 +313,36 @@ def test_grpc_api_of_a_replica_gives_the_same_answer(server):
     assert text == chat(server).choices[0].message.content
 
 
+def wait_all_blocks_free(server, timeout_s: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        values = server.metrics()
+        if values["shardserve_requests_in_flight"] == 0 and all(
+                values[f'shardserve_kv_cache_free_blocks{{replica="{i}"}}'] ==
+                values[f'shardserve_kv_cache_blocks{{replica="{i}"}}'] > 0 and
+                values[f'shardserve_num_requests_running{{replica="{i}"}}'] == 0 and
+                values[f'shardserve_outstanding_tokens{{replica="{i}"}}'] == 0 for i in range(2)):
+            return values
+        time.sleep(0.1)
+    pytest.fail(f"KV blocks not all free again: {values}")
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(server):
+    before = server.metrics()["shardserve_generation_tokens_total"]
+    host, port = server.base.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0, "max_tokens": 400,
+            "stream": True}  # greedy: counts on for all 400 tokens (tens of seconds here)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(4):
+        assert resp.readline()
+    conn.close()  # gone: the router cancels its gRPC call, the replica aborts and frees the blocks
+    values = wait_all_blocks_free(server, timeout_s=15)
+    assert values["shardserve_generation_tokens_total"] - before < 100
+
+
 def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_block(server, smollm2_llm):
     prompts = [[{"role": "user", "content": f"Write one short sentence about the number {i}."}] for i in range(32)]
     before = server.metrics()
@@ -324,15 +360,6 @@ def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_
     routed = [after[f'shardserve_requests_routed_total{{replica="{i}"}}'] -
               before.get(f'shardserve_requests_routed_total{{replica="{i}"}}', 0) for i in range(2)]
     assert sum(routed) == 32 and min(routed) >= 8, routed     # fewest outstanding tokens spreads the load
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        values = server.metrics()
-        if all(values[f'shardserve_kv_cache_free_blocks{{replica="{i}"}}'] ==
-               values[f'shardserve_kv_cache_blocks{{replica="{i}"}}'] > 0 and
-               values[f'shardserve_outstanding_tokens{{replica="{i}"}}'] == 0 for i in range(2)):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"KV blocks not all free again: {values}")
+    values = wait_all_blocks_free(server)
     assert values["shardserve_requests_in_flight"] == 0
     assert values["shardserve_time_to_first_token_seconds_count"] >= 32

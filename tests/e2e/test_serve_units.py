@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.openai_protocol import OpenAIError, parse_chat, parse_completion
 from cluster.openai_router import RouterCore
@@ -138,3 +140,14 @@ def test_app_arguments():
         ServeArgs.from_dict({"tensor_parallel_size": 0})
     with pytest.raises(FileNotFoundError, match="not a known model name"):
         build_app({"model": "/no/such/model.gguf"})
+
+
+def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
+    repo = Path(__file__).resolve().parents[2]
+    serve_config = yaml.safe_load((repo / "serve_config.yaml").read_text())
+    manifest = next(yaml.safe_load_all((repo / "k8s" / "rayservice.yaml").read_text()))
+    for config in (serve_config, yaml.safe_load(manifest["spec"]["serveConfigV2"])):
+        (app,) = config["applications"]
+        assert app["import_path"] == "cluster.serve_app:build_app"
+        args = ServeArgs.from_dict(app["args"])
+        assert args.tensor_parallel_size == 2 and args.model == "smollm2-135m-instruct"
