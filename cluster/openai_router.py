@@ -13,6 +13,7 @@ engine's detokenizer and never split a UTF-8 character; SSE events carry them as
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -62,6 +63,7 @@ class _Run:
     choices: list[Choice]
     first_token_at: list           # per choice: monotonic time of its first token, or None
     started: float
+    closed: bool = False           # _finish ran
 
 
 class RouterCore:
@@ -187,8 +189,7 @@ class RouterCore:
             return JSONResponse(err.body(), status_code=err.status)
         self.metrics.requests.labels(endpoint, "200").inc()
         if parsed.stream:
-            return StreamingResponse(self._sse(run), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(self._sse(run), functools.partial(self._finish, run))
         return await self._complete(run)
 
     def _encode(self, kind: str, prompt) -> list[int]:
@@ -229,7 +230,13 @@ class RouterCore:
             stub = lease.replica.stub
             calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j))
                      for p, ids in enumerate(prompt_ids) for j in range(n)]
-            firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
+            try:
+                firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
+            except BaseException:  # cancelled: the client left before the first token
+                for call in calls:
+                    call.cancel()
+                lease.release()
+                raise
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is None:
                 break
@@ -266,6 +273,10 @@ class RouterCore:
             choice.finish_reason = resp.finish_reason
 
     def _finish(self, run: _Run) -> None:
+        """Cancel what is still open, pay back the lease, record metrics. Idempotent."""
+        if run.closed:
+            return
+        run.closed = True
         for call in run.calls:
             call.cancel()  # no-op for finished calls; aborts (frees blocks) for abandoned ones
         run.lease.release()
@@ -370,6 +381,21 @@ class RouterCore:
             for task in tasks:
                 task.cancel()
             self._finish(run)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends, even when the client leaves before
+    the event generator has started (its own ``finally`` would then never run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _sse_data(body: dict) -> str:
