@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardserve-installed
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: install run test bench proto
 
@@ -15,9 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Fetches the default model on first use and answers one chat prompt.
+# Fetches the default model on first use and serves it with TP=2 on a local Ray cluster until Ctrl-C:
+# OpenAI API on http://127.0.0.1:8000/v1, gRPC on 127.0.0.1:50051. Extra flags: make run RUN_ARGS="...".
 run: install
-	$(VENV)/bin/shardserve generate --chat --prompt "What is the capital of France?" --max-tokens 32
+	$(VENV)/bin/shardserve serve --tensor-parallel-size 2 $(RUN_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

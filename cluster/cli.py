@@ -1,4 +1,5 @@
-"""``shardserve`` command line: ``generate`` (one prompt, this process)."""
+"""``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
+API of one replica) and ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,95 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     return 0
 
 
+class ServeStartError(RuntimeError):
+    """``shardserve serve`` could not bring the app up (a replica failed to load)."""
+
+
+def _serve_args(ns: argparse.Namespace):
+    from cluster.coordinator import default_cpus_per_worker
+    from cluster.serve_app import ServeArgs
+
+    tp = ns.tensor_parallel_size
+    return ServeArgs(
+        model=ns.model_arg or ns.model, served_model_name=ns.served_model_name, tensor_parallel_size=tp,
+        data_parallel_size=ns.data_parallel_size, tensor_split=ns.tensor_split,
+        cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(tp), gpus_per_worker=ns.gpus_per_worker,
+        placement_strategy=ns.placement_strategy, cpu_collective=ns.cpu_collective, dispatch=ns.dispatch,
+        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, block_size=ns.block_size,
+        kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
+        seed=ns.seed or 0)
+
+
+def _wait_until_serving(url: str, timeout_s: float) -> dict:
+    """Poll ``url`` (``/health``) until every replica is ready; returns the health body.
+
+    Raises:
+        ServeStartError: a replica failed to load. TimeoutError: not ready within ``timeout_s``.
+    """
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout_s, "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                body = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read() or b"{}") if exc.code == 503 else {}
+            last = f"HTTP {exc.code}"
+        except (OSError, ValueError) as exc:
+            body, last = {}, str(exc)
+        replicas = body.get("replicas", [])
+        failed = [r for r in replicas if r["state"] == "failed"]
+        if failed:
+            raise ServeStartError(f"replica {failed[0]['index']} failed to load: {failed[0]['error']}")
+        if replicas and all(r["state"] == "ready" for r in replicas):
+            return body
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last})")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import build_app
+    from workers.model_source import resolve_model
+
+    cfg = _serve_args(ns)
+    cfg.validate()
+    files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
+    init_ray(ns.address, cfg.cpus_needed())
+    local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
+        health = _wait_until_serving(f"http://{local}:{ns.port}/health", ns.ready_timeout)
+        print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
+              f"x {cfg.data_parallel_size} replica(s)", flush=True)
+        print(f"  OpenAI API: http://{local}:{ns.port}/v1  (health: /health, metrics: /metrics)", flush=True)
+        for replica in health["replicas"]:
+            print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference)",
+                  flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+        _wait_for_interrupt()
+        print("shardserve: shutting down", flush=True)
+    except KeyboardInterrupt:
+        print("shardserve: interrupted, shutting down", flush=True)
+    finally:
+        try:
+            if ns.address:
+                serve.delete(ns.app_name)   # leave the rest of a shared cluster alone
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def _generate(ns: argparse.Namespace) -> int:
 
     from cluster.llm import LLM
@@ -154,6 +244,24 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_cmd.add_argument("--grpc-port", type=int, default=50051)
     grpc_cmd.add_argument("--host", default="0.0.0.0")
     grpc_cmd.set_defaults(func=_serve_grpc)
+
+    serve_cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve "
+                                            "(tensor-parallel replicas) until Ctrl-C")
+    serve_cmd.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                           help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
+    _engine_flags(serve_cmd)
+    _cluster_flags(serve_cmd)
+    serve_cmd.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                           help="model replicas (each a TP group); requests go to the least-loaded one")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    serve_cmd.add_argument("--grpc-port", type=int, default=50051,
+                           help="gRPC port of replica 0 (replica i: port + i); 0 = any free port")
+    serve_cmd.add_argument("--grpc-host", default=None, help="gRPC interface (default: --host)")
+    serve_cmd.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
+    serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
+    serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for the model to load")
+    serve_cmd.set_defaults(func=_serve)
     return parser
 
 
@@ -163,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ServeStartError, TimeoutError) as exc:
         print(f"shardserve: error: {exc}", file=sys.stderr)
         return 2
 

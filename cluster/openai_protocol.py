@@ -1,0 +1,349 @@
+"""OpenAI wire format: request parsing and validation, response and stream-chunk bodies, errors.
+
+Pure functions over JSON-like dicts (no FastAPI, no Ray), so every rule here is unit-testable.
+Requests become a :class:`ParsedRequest` (prompts, ``n``, sampling fields in the gRPC
+``SamplingParams`` vocabulary); finished or streaming choices become OpenAI bodies
+(``chat.completion``, ``chat.completion.chunk``, ``text_completion``). Every problem is an
+:class:`OpenAIError` that renders OpenAI's error body with the matching HTTP status.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_N = 16                # choices per request
+MAX_TOP_LOGPROBS = 20     # chat ``top_logprobs``; the engine's limit too
+MAX_COMPLETION_LOGPROBS = 5
+# Fields whose non-default values would change the output but the engine does not implement.
+_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
+                "functions": None, "response_format": None, "suffix": None, "best_of": None, "echo": False}
+
+
+class OpenAIError(Exception):
+    """An error with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status (400 bad request, 404 unknown model, 503 loading or unavailable).
+        message: human-readable reason.
+        type_: OpenAI error type (``invalid_request_error``, ``service_unavailable_error``, ...).
+        param: the offending request field, if any.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        """The JSON body OpenAI sends for this error."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(503, message, "service_unavailable_error", None, "service_unavailable")
+
+
+def engine_rejected(message: str, param: str) -> OpenAIError:
+    """A 400 for the engine's INVALID_ARGUMENT (context length gets OpenAI's code)."""
+    code = "context_length_exceeded" if "context length" in message else None
+    return bad_request(message, param, code)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated ``/v1/chat/completions`` or ``/v1/completions`` request."""
+
+    kind: str                                   # "chat" or "completion"
+    model: str | None                           # as asked for; None = the served model
+    prompts: list                               # chat: [messages]; completion: str or token-id lists
+    n: int = 1                                  # choices per prompt
+    stream: bool = False
+    include_usage: bool = False                 # stream_options.include_usage
+    sampling: dict = field(default_factory=dict)  # pb.SamplingParams fields except seed
+    seed: int | None = None                     # choice i uses seed + i (vLLM's rule)
+    logprobs: int | None = None                 # alternatives per token; None = no logprobs
+    max_tokens: int | None = None               # also in ``sampling``; kept for routing cost
+
+
+def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
+            low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise bad_request(f"'{name}' must be {kind}, got {value!r}", name)
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        lo = "(" if low_open else "["
+        raise bad_request(f"'{name}' must be in {lo}{low}, {high}], got {value}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    return list(stops)
+
+
+def _common(body: dict, kind: str) -> ParsedRequest:
+    for name, default in _UNSUPPORTED.items():
+        if body.get(name) not in (None, default):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if options and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    n = _number(body, "n", 1, MAX_N, integer=True) or 1
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, max_name, 1, 2**31 - 1, integer=True)
+    if max_tokens is None and kind == "completion":
+        max_tokens = 16  # OpenAI's default for the legacy endpoint; chat runs to the context limit
+    sampling = {"stop": _stop(body)}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    for name, low, high, integer, low_open in (("temperature", 0, 2, False, False), ("top_p", 0, 1, False, True),
+                                               ("top_k", -1, 2**31 - 1, True, False),
+                                               ("min_p", 0, 1, False, False)):
+        value = _number(body, name, low, high, integer=integer, low_open=low_open)
+        if value is not None:
+            sampling[name] = value
+    seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
+    return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
+                         None, max_tokens)
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises:
+        OpenAIError: 400 naming the first bad field.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is a required property", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    chat = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a 'role'", "messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        if role not in ("system", "user", "assistant"):
+            raise bad_request(f"messages[{i}].role {message['role']!r} is not supported", "messages")
+        chat.append({"role": role, "content": _content(message, i)})
+    parsed = _common(body, "chat")
+    parsed.prompts = [chat]
+    if body.get("logprobs"):
+        parsed.logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    return parsed
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body (prompt: a string, a list of strings, token ids, or a list
+    of token-id lists).
+
+    Raises:
+        OpenAIError: 400 naming the first bad field (an empty prompt included).
+    """
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is a required property", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    for item in prompts:
+        valid = isinstance(item, str) or (isinstance(item, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in item))
+        if not valid:
+            raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+        if not item:
+            raise bad_request("'prompt' must not be empty", "prompt")
+    parsed = _common(body, "completion")
+    parsed.prompts = prompts
+    parsed.logprobs = _number(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, integer=True)
+    return parsed
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+class TokenText:
+    """``token_id -> (text, utf8_bytes)`` for logprobs, cached.
+
+    Byte-level BPE tokens (GPT-2 style, SmolLM2/Llama-3) map to their exact bytes, so a token
+    holding half a UTF-8 character reports those bytes and U+FFFD text; SentencePiece byte
+    tokens (``<0xE2>``) map to their byte; anything else is the decoded token.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._bytes = _byte_decoder()
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                raw = bytes([int(piece[3:5], 16)])
+            elif piece and all(c in self._bytes for c in piece):
+                raw = bytes(self._bytes[c] for c in piece)
+            else:
+                raw = self.tokenizer.decode([token_id]).encode("utf-8")
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return hit
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generated choice, accumulated from the replica's stream."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)   # pb.TokenLogprob messages
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(engine_reason: str) -> str | None:
+    """Engine reason -> OpenAI's (``stop``/``length``); None while running."""
+    return engine_reason if engine_reason in ("stop", "length") else (None if not engine_reason else "stop")
+
+
+def chat_logprobs(entries: list, token_text) -> dict:
+    """``choices[].logprobs`` of a chat answer from ``pb.TokenLogprob`` entries.
+
+    ``token_text(id)`` returns ``(text, utf8_bytes)`` of one token.
+    """
+    def one(token_id: int, logprob: float) -> dict:
+        text, raw = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list, token_text, text_offset: int = 0) -> dict:
+    """Legacy ``choices[].logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+    tokens, offsets, tops = [], [], []
+    for entry in entries:
+        text, _ = token_text(entry.token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        tops.append({token_text(t.token_id)[0]: t.logprob for t in entry.top})
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def response_body(kind: str, request_id: str, created: int, model: str, choices: list[Choice],
+                  token_text, want_logprobs: bool, n: int) -> dict:
+    """Non-streaming body of either endpoint (choice ``index = prompt_index * n + j``); usage sums
+    every choice's completion tokens and counts each prompt once, however many choices it has."""
+    items = []
+    for choice in choices:
+        reason = finish_reason(choice.finish_reason or "")
+        if kind == "chat":
+            lp = chat_logprobs(choice.logprobs, token_text) if want_logprobs else None
+            items.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                          "logprobs": lp, "finish_reason": reason})
+        else:
+            lp = completion_logprobs(choice.logprobs, token_text) if want_logprobs else None
+            items.append({"index": choice.index, "text": choice.text, "logprobs": lp, "finish_reason": reason})
+    prompt_tokens = sum({c.index // n: c.prompt_tokens for c in choices}.values())
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": items,
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
+
+
+def chunk_body(kind: str, request_id: str, created: int, model: str, index: int, *, text: str | None = None,
+               role: bool = False, logprobs: dict | None = None, finish: str | None = None,
+               include_usage: bool = False) -> dict:
+    """One streamed chunk with a single choice (``usage: null`` when usage is reported at the end)."""
+    if kind == "chat":
+        delta = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(kind: str, request_id: str, created: int, model: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,403 @@
+"""The OpenAI front's logic, free of Ray Serve: validate, tokenize once, route, call replicas over
+gRPC, and answer as OpenAI does (JSON or SSE).
+
+A generation request is checked (400), matched to the served model (404) and to a ready replica
+(503) before anything is sent; the prompt is tokenized here with the same functions the engine
+uses (``cluster.tokenizer``: the chat template is rendered once, never a second BOS), and each of
+the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. The first response
+of every call is awaited before answering, so the engine's own rejections (context length, bad
+token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
+engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cluster.metrics import ServeMetrics
+from cluster.openai_protocol import (
+    Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
+    engine_rejected, finish_reason, parse_chat, parse_completion, response_body, unavailable, usage_chunk)
+from cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+StatusFetcher = Callable[[], Awaitable[dict]]
+_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")
+
+
+def _connect(address: str) -> tuple:
+    channel = grpc.aio.insecure_channel(address)
+    return channel, pb_grpc.InferenceStub(channel)
+
+
+def _close(channel) -> None:
+    asyncio.ensure_future(channel.close())
+
+
+def _wrap_seed(seed: int) -> int:
+    return (seed + 2**63) % 2**64 - 2**63  # stay a signed 64-bit proto field
+
+
+@dataclass(slots=True)
+class _Run:
+    """A request whose calls are open and whose first responses have arrived."""
+
+    parsed: ParsedRequest
+    request_id: str
+    created: int
+    model: str
+    lease: Lease
+    calls: list                    # one gRPC call per choice, index = prompt_index * n + j
+    choices: list[Choice]
+    first_token_at: list           # per choice: monotonic time of its first token, or None
+    started: float
+    closed: bool = False           # _finish ran
+
+
+class RouterCore:
+    """Everything behind the HTTP routes.
+
+    Args:
+        model: the model argument (name, ``.gguf`` file or checkpoint folder).
+        served_names: model names requests may ask for (the first is the one reported).
+        fetchers: one coroutine function per replica returning its ``status()`` dict.
+        poll_s: status polling period once every replica is ready (faster while loading).
+        load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
+    """
+
+    def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
+                 load_tokenizer: Callable[[], object], poll_s: float = 2.0) -> None:
+        self.model_arg, self.served_names = model, list(served_names)
+        self.pool = ReplicaPool(len(fetchers), _connect, _close)
+        self.metrics = ServeMetrics()
+        self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
+        self.tokenizer = self.token_text = None
+        self.tokenizer_error: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- background: tokenizer and replica states ------------------------------------------------
+    def start(self) -> None:
+        """Start loading the tokenizer and polling the replicas (on the running event loop)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._load()), loop.create_task(self._watch())]
+
+    async def _load(self) -> None:
+        try:
+            self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+            self.token_text = TokenText(self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - reported by /health and every request
+            logger.exception("router: loading the tokenizer failed")
+            self.tokenizer_error = f"{type(exc).__name__}: {exc}"
+
+    async def _watch(self) -> None:
+        while True:
+            for index, fetch in enumerate(self.fetchers):
+                try:
+                    status = await asyncio.wait_for(fetch(), timeout=10)
+                except Exception as exc:  # noqa: BLE001 - restarting replicas fail calls for a while
+                    status = {"state": LOADING, "address": self.pool.replicas[index].address,
+                              "error": f"status call failed: {type(exc).__name__}"}
+                try:
+                    self.pool.update(index, status)
+                except Exception:  # noqa: BLE001 - keep watching the other replicas
+                    logger.exception("router: bad status from replica %d: %r", index, status)
+            ready = len(self.pool.ready()) == len(self.pool.replicas)
+            await asyncio.sleep(self.poll_s if ready else 0.25)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for replica in self.pool.replicas:
+            if replica.channel is not None:
+                await replica.channel.close()
+            replica.channel = replica.stub = None
+
+    def _ready_or_503(self) -> None:
+        if self.tokenizer_error:
+            raise unavailable(f"the router could not load the tokenizer: {self.tokenizer_error}")
+        if self.tokenizer is None or not self.pool.ready():
+            what = "tokenizer loading; " if self.tokenizer is None else ""
+            raise unavailable(f"the model is loading or unavailable ({what}{self.pool.summary()})")
+
+    # -- plain endpoints -------------------------------------------------------------------------
+    async def health(self) -> Response:
+        """200 once the tokenizer is loaded and a replica is ready; else 503 with the reason."""
+        replicas = [r.describe() for r in self.pool.replicas]
+        try:
+            self._ready_or_503()
+        except OpenAIError as err:
+            return JSONResponse(dict(err.body(), replicas=replicas), status_code=err.status)
+        return JSONResponse({"status": "ok", "model": self.served_names[0], "replicas": replicas})
+
+    async def models(self) -> Response:
+        """``GET /v1/models``: the one served model (503 while loading)."""
+        try:
+            self._ready_or_503()
+        except OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        info = self.pool.any_info()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.served_names[0], "object": "model", "created": 0, "owned_by": "shardserve",
+            "root": self.model_arg, "max_model_len": info.get("max_model_len")}]})
+
+    async def metrics_text(self) -> Response:
+        """Prometheus exposition; replica gauges refreshed from ModelInfo first."""
+        async def refresh(replica) -> None:
+            info = None
+            if replica.stub is not None:
+                try:
+                    msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
+                    info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
+                except grpc.aio.AioRpcError:
+                    info = None
+            self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)
+
+        await asyncio.gather(*(refresh(r) for r in self.pool.replicas))
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    # -- generation ------------------------------------------------------------------------------
+    async def generate(self, kind: str, raw_body: bytes) -> Response:
+        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``)."""
+        started = time.monotonic()
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            try:
+                body = json.loads(raw_body or b"null")
+            except ValueError as exc:
+                raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+            parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+            if parsed.model is not None and parsed.model not in self.served_names:
+                raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
+                                  f"`{self.served_names[0]}`.", "invalid_request_error", "model", "model_not_found")
+            self._ready_or_503()
+            prompt_ids = [self._encode(kind, prompt) for prompt in parsed.prompts]
+            run = await self._start(parsed, prompt_ids, started)
+        except OpenAIError as err:
+            self.metrics.requests.labels(endpoint, str(err.status)).inc()
+            return JSONResponse(err.body(), status_code=err.status)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        if parsed.stream:
+            return _EventStream(self._sse(run), functools.partial(self._finish, run))
+        return await self._complete(run)
+
+    def _encode(self, kind: str, prompt) -> list[int]:
+        from cluster.tokenizer import encode_chat, encode_prompt
+
+        try:
+            if kind == "chat":
+                return encode_chat(self.tokenizer, prompt)
+            return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from exc
+
+    def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int) -> pb.GenerateRequest:
+        sampling = pb.SamplingParams(**parsed.sampling)
+        if parsed.seed is not None:
+            sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
+        if parsed.logprobs is not None:
+            sampling.logprobs = parsed.logprobs
+        return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids), sampling=sampling)
+
+    async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float) -> _Run:
+        """Open every choice's call on the least-loaded replica and read its first response.
+
+        Raises:
+            OpenAIError: 400 when the engine rejects the request, 503 when no replica can take it.
+        """
+        n, max_len = parsed.n, self.pool.any_info().get("max_model_len") or 2**31
+        cost_prompt = n * sum(len(ids) for ids in prompt_ids)
+        cost_output = n * sum(parsed.max_tokens or max(1, max_len - len(ids)) for ids in prompt_ids)
+        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        excluded: tuple[int, ...] = ()
+        while True:
+            try:
+                lease = self.pool.pick(cost_prompt, cost_output, excluded)
+            except NoReplicaReady as exc:
+                raise unavailable(f"no replica can take the request: {exc}") from exc
+            stub = lease.replica.stub
+            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j))
+                     for p, ids in enumerate(prompt_ids) for j in range(n)]
+            try:
+                firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
+            except BaseException:  # cancelled: the client left before the first token
+                for call in calls:
+                    call.cancel()
+                lease.release()
+                raise
+            failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failure is None:
+                break
+            for call in calls:
+                call.cancel()
+            lease.release()
+            if not isinstance(failure, grpc.aio.AioRpcError):
+                raise failure
+            if failure.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt")
+            self.pool.mark_unreachable(lease.replica, f"{failure.code().name}: {failure.details()}")
+            excluded += (lease.replica.index,)  # try the next replica; 503 when none is left
+        self.metrics.routed.labels(str(lease.replica.index)).inc()
+        self.metrics.in_flight.inc()
+        run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
+                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started)
+        for index, first in enumerate(firsts):
+            if first is not grpc.aio.EOF:
+                self._absorb(run, index, first)
+        return run
+
+    def _absorb(self, run: _Run, index: int, resp: pb.GenerateResponse) -> None:
+        choice = run.choices[index]
+        if not choice.prompt_tokens:
+            run.lease.prefilled(resp.usage.prompt_tokens)
+        if resp.token_ids and run.first_token_at[index] is None:
+            run.first_token_at[index] = time.monotonic()
+        run.lease.generated(len(resp.token_ids))
+        choice.text += resp.text
+        choice.token_ids += resp.token_ids
+        choice.logprobs += resp.logprobs
+        choice.prompt_tokens, choice.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
+        if resp.finish_reason:
+            choice.finish_reason = resp.finish_reason
+
+    def _finish(self, run: _Run) -> None:
+        """Cancel what is still open, pay back the lease, record metrics. Idempotent."""
+        if run.closed:
+            return
+        run.closed = True
+        for call in run.calls:
+            call.cancel()  # no-op for finished calls; aborts (frees blocks) for abandoned ones
+        run.lease.release()
+        self.metrics.in_flight.dec()
+        now = time.monotonic()
+        self.metrics.latency.observe(now - run.started)
+        counted_prompts = set()
+        for choice, first in zip(run.choices, run.first_token_at):
+            self.metrics.observe_choice(run.started, first, now, choice.completion_tokens)
+            self.metrics.generation_tokens.inc(choice.completion_tokens)
+            if choice.index // run.parsed.n not in counted_prompts:
+                counted_prompts.add(choice.index // run.parsed.n)
+                self.metrics.prompt_tokens.inc(choice.prompt_tokens)
+
+    async def _read_all(self, run: _Run, index: int, on_response=None) -> None:
+        call, choice = run.calls[index], run.choices[index]
+        while choice.finish_reason is None:
+            resp = await call.read()
+            if resp is grpc.aio.EOF:
+                return
+            self._absorb(run, index, resp)
+            if on_response is not None:
+                await on_response(index, resp)
+
+    async def _complete(self, run: _Run) -> Response:
+        try:
+            await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
+        except grpc.aio.AioRpcError as exc:
+            self.pool.mark_unreachable(run.lease.replica, exc.details() or exc.code().name)
+            err = unavailable(f"replica {run.lease.replica.index} failed mid-request: {exc.details()}")
+            return JSONResponse(err.body(), status_code=err.status)
+        finally:
+            self._finish(run)
+        body = response_body(run.parsed.kind, run.request_id, run.created, run.model, run.choices, self.token_text,
+                             run.parsed.logprobs is not None, run.parsed.n)
+        return JSONResponse(body)
+
+    def _event(self, run: _Run, index: int, resp: pb.GenerateResponse, offset: int) -> str | None:
+        """The SSE event for one response of choice ``index`` whose text starts at character
+        ``offset`` of the choice (None when the response carries nothing)."""
+        reason = finish_reason(resp.finish_reason)
+        if not resp.text and not resp.logprobs and reason is None:
+            return None
+        logprobs = None
+        if run.parsed.logprobs is not None and resp.logprobs:
+            if run.parsed.kind == "chat":
+                logprobs = chat_logprobs(resp.logprobs, self.token_text)
+            else:
+                logprobs = completion_logprobs(resp.logprobs, self.token_text, offset)
+        body = chunk_body(run.parsed.kind, run.request_id, run.created, run.model, index, text=resp.text or None,
+                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage)
+        return _sse_data(body)
+
+    async def _sse(self, run: _Run) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        kind = run.parsed.kind
+
+        async def push(index: int, resp) -> None:  # after _absorb: the choice's text ends with resp.text
+            queue.put_nowait((index, resp, len(run.choices[index].text) - len(resp.text)))
+
+        async def pump(index: int) -> None:
+            try:
+                await self._read_all(run, index, push)
+            except grpc.aio.AioRpcError as exc:
+                queue.put_nowait((index, exc, 0))
+            finally:
+                queue.put_nowait((index, None, 0))
+
+        tasks = []
+        try:
+            for index, choice in enumerate(run.choices):
+                if kind == "chat":
+                    yield _sse_data(chunk_body(kind, run.request_id, run.created, run.model, index, text="",
+                                               role=True, include_usage=run.parsed.include_usage))
+                first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
+                                            finish_reason=choice.finish_reason or "")
+                event = self._event(run, index, first, 0)
+                if event:
+                    yield event
+            tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
+            open_calls = len(tasks)
+            while open_calls:
+                index, item, offset = await queue.get()
+                if item is None:
+                    open_calls -= 1
+                elif isinstance(item, grpc.aio.AioRpcError):
+                    self.pool.mark_unreachable(run.lease.replica, item.details() or item.code().name)
+                    yield _sse_data(unavailable(f"replica {run.lease.replica.index} failed mid-stream: "
+                                                f"{item.details()}").body())
+                    break
+                else:
+                    event = self._event(run, index, item, offset)
+                    if event:
+                        yield event
+            else:
+                if run.parsed.include_usage:
+                    prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())
+                    yield _sse_data(usage_chunk(kind, run.request_id, run.created, run.model, prompt,
+                                                sum(c.completion_tokens for c in run.choices)))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._finish(run)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends, even when the client leaves before
+    the event generator has started (its own ``finally`` would then never run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse_data(body: dict) -> str:
+    # ensure_ascii=False: characters travel whole, as UTF-8, exactly as the engine emitted them
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,152 @@
+"""The router's view of its model replicas: state, gRPC address and channel, outstanding tokens.
+
+Routing rule: a request goes to the ready replica with the fewest *outstanding tokens*, the work
+this router has sent it and that is not done yet. A request costs ``n * (prompt + max output)``
+tokens when it is sent; the prompt part is paid back when its first response arrives (the prefill
+is done), one token per generated token, and the rest when it ends. Ties go to the replica used
+least recently, so equal replicas take turns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+LOADING, READY, FAILED, UNREACHABLE = "loading", "ready", "failed", "unreachable"
+
+
+class NoReplicaReady(RuntimeError):
+    """No replica can take a request (all loading, failed or unreachable)."""
+
+
+@dataclass(slots=True)
+class Replica:
+    """One model replica as the router sees it."""
+
+    index: int
+    state: str = LOADING           # loading | ready | failed | unreachable
+    address: str | None = None     # host:port of its gRPC API
+    error: str | None = None       # why it is failed or unreachable
+    info: dict = field(default_factory=dict)   # last ModelInfo answer (model, max_model_len, blocks, ...)
+    outstanding_tokens: int = 0
+    last_used: int = 0             # routing order stamp (ties: least recently used first)
+    channel: object = None         # grpc.aio channel to ``address``
+    stub: object = None            # InferenceStub on ``channel``
+
+    def describe(self) -> dict:
+        """JSON-safe summary (``/health``)."""
+        return {"index": self.index, "state": self.state, "address": self.address, "error": self.error,
+                "outstanding_tokens": self.outstanding_tokens}
+
+
+class Lease:
+    """The outstanding tokens one request holds on its replica.
+
+    Args:
+        replica: where the request runs.
+        prompt_tokens: prompt tokens still to prefill (all of them, over every choice).
+        output_tokens: output tokens it may still produce (over every choice).
+    """
+
+    def __init__(self, replica: Replica, prompt_tokens: int, output_tokens: int) -> None:
+        self.replica, self.prompt_tokens, self.output_tokens = replica, prompt_tokens, output_tokens
+        replica.outstanding_tokens += prompt_tokens + output_tokens
+
+    def prefilled(self, prompt_tokens: int) -> None:
+        """A choice got its first response: ``prompt_tokens`` of the prompt part are done."""
+        done = min(prompt_tokens, self.prompt_tokens)
+        self.prompt_tokens -= done
+        self.replica.outstanding_tokens -= done
+
+    def generated(self, num_tokens: int) -> None:
+        """``num_tokens`` output tokens arrived."""
+        done = min(num_tokens, self.output_tokens)
+        self.output_tokens -= done
+        self.replica.outstanding_tokens -= done
+
+    def release(self) -> None:
+        """The request ended (finished, failed or cancelled): pay back the rest. Idempotent."""
+        self.replica.outstanding_tokens -= self.prompt_tokens + self.output_tokens
+        self.prompt_tokens = self.output_tokens = 0
+
+
+class ReplicaPool:
+    """Replica states, fed by a status poller, and least-outstanding-tokens routing.
+
+    Args:
+        num_replicas: data-parallel size.
+        connect: ``address -> (channel, stub)``; called when a replica's address appears or
+            changes (the old channel is closed through ``close``).
+        close: closes a channel returned by ``connect``.
+    """
+
+    def __init__(self, num_replicas: int, connect: Callable[[str], tuple] | None = None,
+                 close: Callable[[object], None] | None = None) -> None:
+        self.replicas = [Replica(i) for i in range(num_replicas)]
+        self._connect, self._close = connect, close
+        self._stamp = itertools.count(1)
+
+    def update(self, index: int, status: dict) -> None:
+        """Apply a replica's ``status()`` answer: ``{"state", "address", "error", "info"}``."""
+        replica = self.replicas[index]
+        address = status.get("address")
+        if address != replica.address:
+            self._drop_channel(replica)
+            replica.address = address
+            if address and self._connect is not None:
+                replica.channel, replica.stub = self._connect(address)
+                logger.info("replica %d serves gRPC on %s", index, address)
+        replica.state = status.get("state", LOADING)
+        replica.error = status.get("error")
+        if status.get("info"):
+            replica.info = status["info"]
+        if replica.state == READY and not replica.info.get("healthy", True):
+            replica.state, replica.error = FAILED, "a shard worker died"
+
+    def mark_unreachable(self, replica: Replica, error: str) -> None:
+        """The replica failed a call; skip it until the poller sees it ready again."""
+        if replica.state == READY:
+            logger.warning("replica %d unreachable: %s", replica.index, error)
+            replica.state, replica.error = UNREACHABLE, error
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == READY]
+
+    def any_info(self) -> dict:
+        """ModelInfo of some replica that reported one (empty before any did)."""
+        for replica in self.replicas:
+            if replica.info:
+                return replica.info
+        return {}
+
+    def pick(self, prompt_tokens: int, output_tokens: int, exclude: tuple[int, ...] = ()) -> Lease:
+        """Lease the ready replica with the fewest outstanding tokens.
+
+        Raises:
+            NoReplicaReady: every replica is loading, failed, unreachable or excluded.
+        """
+        candidates = [r for r in self.ready() if r.index not in exclude]
+        if not candidates:
+            raise NoReplicaReady(self.summary())
+        best = min(candidates, key=lambda r: (r.outstanding_tokens, r.last_used))
+        best.last_used = next(self._stamp)
+        return Lease(best, prompt_tokens, output_tokens)
+
+    def summary(self) -> str:
+        """E.g. ``"0/2 replicas ready (replica 0: loading; replica 1: failed: ...)"``."""
+        parts = [f"replica {r.index}: {r.state}" + (f": {r.error}" if r.error else "") for r in self.replicas]
+        return f"{len(self.ready())}/{len(self.replicas)} replicas ready ({'; '.join(parts)})"
+
+    def _drop_channel(self, replica: Replica) -> None:
+        if replica.channel is not None and self._close is not None:
+            self._close(replica.channel)
+        replica.channel = replica.stub = None
+
+    def close(self) -> None:
+        """Close every channel."""
+        for replica in self.replicas:
+            self._drop_channel(replica)

@@ -1,0 +1,296 @@
+"""Ray Serve application: an OpenAI-compatible HTTP front over tensor-parallel model replicas.
+
+Two kinds of deployments (``build_app`` wires them; ``serve_config.yaml`` and ``shardserve
+serve`` both deploy ``cluster.serve_app:build_app``):
+
+- ``ModelReplica{i}`` (one per data-parallel replica, ``num_replicas=1`` each): the Serve replica
+  *is* the replica's coordinator. It builds :class:`cluster.coordinator.Coordinator` in-process,
+  which puts shard worker ``r`` in bundle ``r + 1`` of the replica's own placement group
+  (``placement_group_bundles = [{"CPU": 1}] + [worker bundle] * tp``; bundle 0 holds the replica
+  itself), so tensor parallelism needs no second, nested placement group. The engine loop and
+  the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop; the model loads
+  in the background, so the app deploys at once and reports "loading" until it is ready.
+- ``OpenAIRouter`` (FastAPI ingress): ``/v1/chat/completions``, ``/v1/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``. It learns each replica's gRPC address through its
+  deployment handle and forwards requests over the same gRPC API external clients use, to the
+  replica with the fewest outstanding tokens (see :mod:`cluster.openai_router`).
+
+One deployment per data-parallel replica (rather than ``num_replicas=N``) gives the router a
+handle per replica, hence every replica's gRPC address, without a registry actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from ray import serve
+from starlette.responses import Response
+
+from cluster.config import EngineArgs
+from cluster.openai_router import RouterCore
+from cluster.replica_pool import FAILED, LOADING, READY
+from cluster.worker_group import GroupConfig
+from workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServeArgs:
+    """The app's arguments (``args:`` of ``serve_config.yaml``; the CLI fills the same fields).
+
+    Attributes:
+        model: known model name, ``.gguf`` file or HF checkpoint folder.
+        served_model_name: the name clients use (default: the model's name).
+        tensor_parallel_size: shard workers per replica. data_parallel_size: replicas.
+        tensor_split: relative share of each TP rank (uneven splits), or None.
+        cpus_per_worker / gpus_per_worker: resources of each shard worker's bundle.
+        placement_strategy: ``PACK`` (one node) or ``SPREAD``.
+        cpu_collective: ``shm`` / ``gloo`` / None (pick by placement). dispatch: ``calls`` or ``compiled``.
+        grpc_port: replica i serves gRPC on ``grpc_port + i``; 0 = any free port.
+        grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
+        router_cpus: CPUs reserved for the router replica.
+        block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
+        max_num_batched_tokens, enable_prefix_caching, seed: engine settings (see EngineArgs).
+    """
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    tensor_split: list[float] | None = None
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    placement_strategy: str = "PACK"
+    cpu_collective: str | None = None
+    dispatch: str = "calls"
+    grpc_port: int = 0
+    grpc_host: str = "127.0.0.1"
+    router_cpus: float = 1.0
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> ServeArgs:
+        """Build from a plain dict (YAML ``args``).
+
+        Raises:
+            ValueError: an unknown key or an inconsistent setting.
+        """
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown shardserve app argument(s) {unknown}; known: {sorted(known)}")
+        args = cls(**raw)
+        args.validate()
+        return args
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Raises ValueError for inconsistent settings (engine checks included)."""
+        self.engine_args().validate()
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.placement_strategy not in ("PACK", "SPREAD"):
+            raise ValueError(f"placement_strategy must be PACK or SPREAD, got {self.placement_strategy!r}")
+        if not 0 <= self.grpc_port <= 65535 - self.data_parallel_size:
+            raise ValueError(f"grpc_port {self.grpc_port} leaves no room for {self.data_parallel_size} replicas")
+
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(model=self.model, block_size=self.block_size, kv_cache_gib=self.kv_cache_gib,
+                          num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+                          tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split)
+
+    def group_config(self) -> GroupConfig:
+        return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
+                           gpus_per_worker=self.gpus_per_worker, strategy=self.placement_strategy,
+                           collective=self.cpu_collective, dispatch=self.dispatch)
+
+    def replica_bundles(self) -> list[dict]:
+        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank."""
+        worker = {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+        return [{"CPU": 1.0}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
+
+    def served_names(self) -> list[str]:
+        """Names a request's ``model`` may use; the first is reported."""
+        if self.model in KNOWN_MODELS:
+            own = self.model
+        else:
+            path = Path(self.model)
+            own = path.stem if path.suffix == ".gguf" else path.name
+        names = [self.served_model_name or own, own, self.model]
+        return list(dict.fromkeys(names))
+
+    def cpus_needed(self) -> float:
+        """Logical CPUs the whole app reserves."""
+        return self.router_cpus + self.data_parallel_size * sum(b["CPU"] for b in self.replica_bundles())
+
+
+@serve.deployment(max_ongoing_requests=100, health_check_period_s=5, health_check_timeout_s=30)
+class ModelReplica:
+    """One tensor-parallel model replica: coordinator, engine loop and gRPC server in this actor.
+
+    Args:
+        args: :class:`ServeArgs` as a dict.
+        index: data-parallel rank (its gRPC port is ``grpc_port + index`` when a port is set).
+    """
+
+    async def __init__(self, args: dict, index: int) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.args, self.index = ServeArgs.from_dict(args), index
+        self.coordinator = None
+        self.address: str | None = None
+        self.error: str | None = None
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
+
+    async def _load(self) -> None:
+        from cluster.coordinator import Coordinator
+
+        coordinator = None
+        try:
+            # The constructor blocks on Ray calls (spawn ranks, load weights): keep the loop free.
+            coordinator = await asyncio.to_thread(Coordinator, self.args.engine_args(), self.args.group_config())
+            port = self.args.grpc_port + self.index if self.args.grpc_port else 0
+            self.address = await coordinator.start_grpc(port, self.args.grpc_host)
+            self.coordinator = coordinator
+            logger.info("model replica %d ready: gRPC on %s", self.index, self.address)
+        except Exception as exc:  # noqa: BLE001 - reported by status(); check_health fails the replica
+            logger.exception("model replica %d failed to load", self.index)
+            self.error = f"{type(exc).__name__}: {exc}"
+            if coordinator is not None:
+                await coordinator.shutdown()
+
+    async def status(self) -> dict:
+        """``{"state": loading|ready|failed, "address", "error", "info"}`` (info: ModelInfo dict)."""
+        if self.error:
+            return {"state": FAILED, "address": None, "error": self.error, "info": None}
+        if self.coordinator is None:
+            return {"state": LOADING, "address": None, "error": None, "info": None}
+        info = self.coordinator.model_info()
+        state = READY if info["healthy"] else FAILED
+        return {"state": state, "address": self.address, "error": self.coordinator.error, "info": info}
+
+    async def check_health(self) -> None:
+        """Serve's health check: a failed load or a dead shard worker restarts this replica.
+
+        Raises:
+            RuntimeError: the replica cannot serve.
+        """
+        if self.error:
+            raise RuntimeError(f"model replica {self.index} failed to load: {self.error}")
+        if self.coordinator is not None and not self.coordinator.healthy:
+            raise RuntimeError(f"model replica {self.index} lost a shard worker: {self.coordinator.error}")
+
+    async def __del__(self) -> None:
+        if self.coordinator is not None:
+            await self.coordinator.shutdown()  # stops gRPC, the ranks, and frees shared memory
+
+
+app = FastAPI(title="shardserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def _typed(fn):
+    """Resolve a route's string annotations (PEP 563) to the real classes: Serve's class-based
+    FastAPI view re-reads the signature and would take ``request: "Request"`` for a query field."""
+    fn.__annotations__ = typing.get_type_hints(fn)
+    return fn
+
+
+async def _replica_status(handle) -> dict:
+    return await handle.status.remote()
+
+
+def _load_tokenizer(model: str):
+    from cluster.tokenizer import load_tokenizer
+    from workers.model_source import resolve_model
+
+    return load_tokenizer(resolve_model(model))
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIRouter:
+    """The HTTP ingress (see :class:`cluster.openai_router.RouterCore` for the behaviour).
+
+    Args:
+        args: :class:`ServeArgs` as a dict.
+        replicas: deployment handles of ``ModelReplica0..N-1``.
+    """
+
+    async def __init__(self, args: dict, replicas: list) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cfg = ServeArgs.from_dict(args)
+        self.core = RouterCore(cfg.model, cfg.served_names(),
+                               [functools.partial(_replica_status, handle) for handle in replicas],
+                               functools.partial(_load_tokenizer, cfg.model))
+        self.core.start()
+
+    @app.post("/v1/chat/completions")
+    @_typed
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.core.generate("chat", await request.body())
+
+    @app.post("/v1/completions")
+    @_typed
+    async def completions(self, request: Request) -> Response:
+        return await self.core.generate("completion", await request.body())
+
+    @app.get("/v1/models")
+    @_typed
+    async def models(self) -> Response:
+        return await self.core.models()
+
+    @app.get("/health")
+    @_typed
+    async def health(self) -> Response:
+        return await self.core.health()
+
+    @app.get("/metrics")
+    @_typed
+    async def metrics(self) -> Response:
+        return await self.core.metrics_text()
+
+    async def __del__(self) -> None:
+        await self.core.close()
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The Serve application (``import_path: cluster.serve_app:build_app``; ``args`` as in
+    :class:`ServeArgs`).
+
+    Raises:
+        ValueError: unknown or inconsistent arguments.
+        FileNotFoundError: the model is neither a known name nor an existing path.
+    """
+    cfg = ServeArgs.from_dict(args)
+    if cfg.model not in KNOWN_MODELS and not Path(cfg.model).expanduser().exists():
+        raise FileNotFoundError(f"model {cfg.model!r}: not a known model name ({', '.join(KNOWN_MODELS)}), "
+                                "a .gguf file or a checkpoint folder")
+    raw = cfg.to_dict()
+    replicas = [
+        ModelReplica.options(
+            name=f"ModelReplica{i}", num_replicas=1, ray_actor_options={"num_cpus": 1.0},
+            logging_config={"enable_access_log": False},  # the router polls status() every few seconds
+            placement_group_bundles=cfg.replica_bundles(), placement_group_strategy=cfg.placement_strategy,
+        ).bind(raw, i)
+        for i in range(cfg.data_parallel_size)
+    ]
+    return OpenAIRouter.options(ray_actor_options={"num_cpus": cfg.router_cpus}).bind(raw, replicas)

@@ -1,0 +1,365 @@
+"""The Ray Serve OpenAI front as users run it: the real app (router + 2 model replicas, each a
+TP=2 group in its own placement group) on the session's Ray cluster, HTTP on 127.0.0.1, replicas
+reached over real gRPC, and the official ``openai`` client against it unchanged."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+
+import grpc
+import openai
+import pytest
+
+from cluster.request import SamplingParams
+from cluster.tokenizer import encode_chat
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 512
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+JAPANESE = [{"role": "user", "content": "Write 'thank you' in Japanese."}]  # greedy answer: kana/kanji
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str, bytes]:
+    """``(status, content type, raw body)`` of a GET (no body) or a JSON POST."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("Content-Type", ""), err.read()
+
+
+def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dict]]:
+    """Poll ``/health`` until every replica is ready; returns the answers seen before (503 while
+    nothing serves, 200 once some replica does)."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status, _, raw = http(base + "/health", timeout=10)
+        except OSError:
+            time.sleep(0.2)  # the HTTP proxy is not listening yet
+            continue
+        body = json.loads(raw)
+        if status == 200 and all(r["state"] == "ready" for r in body["replicas"]):
+            return seen
+        seen.append((status, body))
+        assert not any(r["state"] == "failed" for r in body.get("replicas", [])), body
+        time.sleep(0.2)
+    raise TimeoutError(f"{base} not ready after {timeout_s} s: {seen[-1:]}")
+
+
+class Server:
+    def __init__(self, base: str, before_ready: list, groups_before: set[str]) -> None:
+        self.base, self.before_ready, self.groups_before = base, before_ready, groups_before
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        _, _, raw = http(self.base + "/metrics")
+        values = {}
+        for line in raw.decode().splitlines():
+            if line.startswith("shardserve_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+
+def created_placement_groups(ray_mod) -> dict[str, dict]:
+    return {pg_id: g for pg_id, g in ray_mod.util.placement_group_table().items() if g["state"] == "CREATED"}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    port = free_port()
+    groups_before = set(created_placement_groups(ray_cluster))
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": MODEL, "tensor_parallel_size": 2, "data_parallel_size": 2,
+                             "cpus_per_worker": 1, "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN,
+                             "grpc_host": "127.0.0.1", "grpc_port": 0}),
+                  name="shardserve-test", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        yield Server(base, wait_until_serving(base), groups_before)
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_llm):
+    return smollm2_llm.tokenizer  # cluster.tokenizer.load_tokenizer on the same file
+
+
+def chat(server, messages=FRANCE, **kwargs):
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 16)
+    return server.client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+
+
+def stream_chat(server, messages=FRANCE, **kwargs):
+    """``(texts per choice index, finish reasons, usage of the last chunk, chunks)``."""
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 16)
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kwargs))
+    texts, reasons = {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, chunks[-1].usage, chunks
+
+
+def test_answers_503_with_an_openai_body_until_loaded_then_lists_the_model(server, ray_cluster):
+    loading = [body for status, body in server.before_ready if status != 200]
+    assert loading, "the app deploys at once and loads in the background: /health said 503 first"
+    for status, body in server.before_ready:
+        assert status in (200, 503)
+        if status == 503:
+            assert body["error"]["type"] == "service_unavailable_error" and "loading" in body["error"]["message"]
+        else:  # one replica serves while the other still loads
+            assert "ready" in [r["state"] for r in body["replicas"]]
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    # each replica = one placement group: bundle 0 (the replica) + one bundle per TP rank, no nested group
+    groups = [g for pg_id, g in created_placement_groups(ray_cluster).items() if pg_id not in server.groups_before]
+    assert [sorted(g["bundles"].values(), key=str) for g in groups] == [[{"CPU": 1.0}] * 3] * 2
+
+
+def test_chat_answer_streams_the_same_text_and_counts_tokens_like_the_tokenizer(server, tokenizer, smollm2_llm):
+    answer = chat(server)
+    text = answer.choices[0].message.content
+    assert "Paris" in text and answer.model == MODEL and answer.object == "chat.completion"
+    texts, reasons, usage, chunks = stream_chat(server, stream_options={"include_usage": True})
+    assert texts == {0: text} and reasons == {0: answer.choices[0].finish_reason}
+    assert len(chunks) > 3 and chunks[0].choices[0].delta.role == "assistant"
+    (expected,) = smollm2_llm.generate([FRANCE], SamplingParams(max_tokens=16, temperature=0))
+    assert text == expected.text
+    prompt_ids = encode_chat(tokenizer, FRANCE)
+    for counted in (answer.usage, usage):
+        assert counted.prompt_tokens == len(prompt_ids) == len(expected.prompt_token_ids)
+        assert counted.completion_tokens == len(expected.token_ids)
+        assert counted.total_tokens == counted.prompt_tokens + counted.completion_tokens
+
+
+def test_n_choices_with_a_seed_are_reproducible(server):
+    sampled = dict(temperature=1.0, top_p=0.95, max_tokens=8, seed=1234, n=2)
+    first = chat(server, **sampled)
+    again = chat(server, **sampled)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in again.choices] == texts
+    # choice j uses seed + j: the second choice is the single answer for seed 1235
+    alone = chat(server, **dict(sampled, n=1, seed=1235))
+    assert alone.choices[0].message.content == texts[1]
+    streamed, _, _, _ = stream_chat(server, **sampled)
+    assert streamed == {0: texts[0], 1: texts[1]}
+    single = [chat(server, **dict(sampled, n=1, seed=1234 + j)).usage.completion_tokens for j in range(2)]
+    assert first.usage.completion_tokens == sum(single) and first.usage.prompt_tokens == alone.usage.prompt_tokens
+
+
+def test_stop_strings_cut_exactly(server):
+    full = chat(server).choices[0].message.content        # "The capital of France is Paris."
+    cut = full.index(" Paris")
+    stopped = chat(server, stop=[" Paris", "Lyon"])
+    assert stopped.choices[0].message.content == full[:cut] and stopped.choices[0].finish_reason == "stop"
+    texts, reasons, _, _ = stream_chat(server, stop=" Paris")
+    assert texts == {0: full[:cut]} and reasons == {0: "stop"}
+    legacy = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                              temperature=0)
+    word = legacy.choices[0].text.strip().split()[0]
+    stop_cut = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                                temperature=0, stop=[word])
+    assert stop_cut.choices[0].text == legacy.choices[0].text[:legacy.choices[0].text.index(word)]
+
+
+def test_logprobs_are_finite_and_match_the_engine(server, smollm2_llm, tokenizer):
+    answer = chat(server, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    (expected,) = smollm2_llm.generate([FRANCE], SamplingParams(max_tokens=8, temperature=0, logprobs=3))
+    assert len(content) == len(expected.logprobs) == answer.usage.completion_tokens
+    for entry, ref in zip(content, expected.logprobs):
+        assert math.isfinite(entry.logprob) and entry.logprob <= 0
+        assert abs(entry.logprob - ref.logprob) < 2e-3
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.token == tokenizer.decode([ref.token_id])
+    joined = b"".join(bytes(e.bytes) for e in content).decode()
+    assert answer.choices[0].message.content == joined.replace("<|im_end|>", "")
+    legacy = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                              temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(math.isfinite(v) for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens).startswith(legacy.choices[0].text)
+
+
+def test_completions_endpoint_streams_the_same_text_and_takes_batches(server):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    whole = server.client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == whole.choices[0].text and whole.usage.completion_tokens == 10
+    batch = server.client.completions.create(**dict(kwargs, prompt=["Once upon a time", "The sky is"], n=2))
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == whole.choices[0].text   # greedy: n copies
+
+
+LONG = "hello " * (MAX_MODEL_LEN + 50)
+
+
+@pytest.mark.parametrize("path,body,status,param,fragment", [
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is a required property"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "must not be empty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "temperature": -1}, 400, "temperature",
+     "'temperature' must be in [0, 2]"),
+    ("/v1/chat/completions", {"model": "no-such-model", "messages": FRANCE}, 404, "model", "does not exist"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages",
+     f"context length is {MAX_MODEL_LEN} tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", f"context length is {MAX_MODEL_LEN}"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_requests_get_error_bodies_before_any_stream_and_the_server_keeps_serving(
+        server, path, body, status, param, fragment, stream):
+    code, content_type, raw = http(server.base + path, dict(body, stream=stream))
+    assert code == status and content_type.startswith("application/json")   # not an event stream
+    error = json.loads(raw)["error"]
+    assert fragment in error["message"] and error["param"] == param
+    if "context length" in fragment:
+        assert error["code"] == "context_length_exceeded"
+    error_class = openai.NotFoundError if status == 404 else openai.BadRequestError
+    with pytest.raises(error_class):
+        server.client.post(path.removeprefix("/v1"), body=dict(body, stream=False), cast_to=object)
+    still = chat(server, max_tokens=3)
+    assert still.choices[0].message.content and still.usage.completion_tokens == 3
+
+
+def test_chat_template_is_applied_once(server, tokenizer):
+    from cluster.openai_router import RouterCore
+
+    router = RouterCore(MODEL, [MODEL], [], load_tokenizer=lambda: None)
+    bos = tokenizer.bos_token_id
+    # SmolLM2's template writes BOS (<|im_start|>) itself; a tokenizer that also adds one must not double it
+    doubled = copy.deepcopy(tokenizer)
+    doubled.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    doubled.add_bos_token = True
+    plain = copy.deepcopy(doubled)
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    rendered = doubled.apply_chat_template(FRANCE, tokenize=False)
+    assert doubled(rendered)["input_ids"][:2] == [bos, bos]     # the mistake this guards against
+    for tok, leading in ((tokenizer, 1), (doubled, 1), (plain, 0)):
+        router.tokenizer = tok
+        ids = router._encode("chat", FRANCE)
+        assert ids == encode_chat(tok, FRANCE)
+        assert ids[:2].count(bos) == leading and ids[1] != bos
+    # the server's prompt is exactly that single-BOS encoding
+    assert chat(server, max_tokens=1).usage.prompt_tokens == len(encode_chat(tokenizer, FRANCE))
+
+
+def test_streaming_never_splits_a_utf8_character(server, tokenizer):
+    body = {"model": MODEL, "messages": JAPANESE, "temperature": 0, "max_tokens": 40, "stream": True,
+            "logprobs": True}
+    code, content_type, raw = http(server.base + "/v1/chat/completions", body)
+    assert code == 200 and content_type.startswith("text/event-stream")
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    deltas, token_bytes = [], []
+    for event in events[:-1]:
+        chunk = json.loads(event.removeprefix(b"data: ").decode("utf-8"))  # strict: each event is whole UTF-8
+        for choice in chunk["choices"]:
+            deltas.append(choice["delta"].get("content") or "")
+            token_bytes += [bytes(e["bytes"]) for e in (choice["logprobs"] or {}).get("content", [])]
+    text = "".join(deltas)
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(ord(c) > 127 for c in text) >= 5
+    assert any(not _valid_utf8(b) for b in token_bytes), "some token held only part of a character"
+    assert text == chat(server, messages=JAPANESE, max_tokens=40).choices[0].message.content
+
+
+def _valid_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_grpc_api_of_a_replica_gives_the_same_answer(server):
+    _, _, raw = http(server.base + "/health")
+    address = json.loads(raw)["replicas"][0]["address"]
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE[0]["content"])]),
+                                     sampling=pb.SamplingParams(max_tokens=16, temperature=0))
+        text = "".join(r.text for r in stub.Generate(request, timeout=60))
+    assert text == chat(server).choices[0].message.content
+
+
+def wait_all_blocks_free(server, timeout_s: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        values = server.metrics()
+        if values["shardserve_requests_in_flight"] == 0 and all(
+                values[f'shardserve_kv_cache_free_blocks{{replica="{i}"}}'] ==
+                values[f'shardserve_kv_cache_blocks{{replica="{i}"}}'] > 0 and
+                values[f'shardserve_num_requests_running{{replica="{i}"}}'] == 0 and
+                values[f'shardserve_outstanding_tokens{{replica="{i}"}}'] == 0 for i in range(2)):
+            return values
+        time.sleep(0.1)
+    pytest.fail(f"KV blocks not all free again: {values}")
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(server):
+    before = server.metrics()["shardserve_generation_tokens_total"]
+    host, port = server.base.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0, "max_tokens": 400,
+            "stream": True}  # greedy: counts on for all 400 tokens (tens of seconds here)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(4):
+        assert resp.readline()
+    conn.close()  # gone: the router cancels its gRPC call, the replica aborts and frees the blocks
+    values = wait_all_blocks_free(server, timeout_s=15)
+    assert values["shardserve_generation_tokens_total"] - before < 100
+
+
+def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_block(server, smollm2_llm):
+    prompts = [[{"role": "user", "content": f"Write one short sentence about the number {i}."}] for i in range(32)]
+    before = server.metrics()
+
+    def run(messages):
+        texts, reasons, _, _ = stream_chat(server, messages=messages, max_tokens=10)
+        return texts[0], reasons[0]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, prompts))
+    expected = smollm2_llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [text for text, _ in results] == [e.text for e in expected]
+    assert [reason for _, reason in results] == [e.finish_reason for e in expected]
+    after = server.metrics()
+    routed = [after[f'shardserve_requests_routed_total{{replica="{i}"}}'] -
+              before.get(f'shardserve_requests_routed_total{{replica="{i}"}}', 0) for i in range(2)]
+    assert sum(routed) == 32 and min(routed) >= 8, routed     # fewest outstanding tokens spreads the load
+    values = wait_all_blocks_free(server)
+    assert values["shardserve_requests_in_flight"] == 0
+    assert values["shardserve_time_to_first_token_seconds_count"] >= 32

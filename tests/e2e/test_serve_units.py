@@ -1,0 +1,153 @@
+"""The OpenAI front's rules without a cluster: request validation, error bodies, routing to the
+replica with the fewest outstanding tokens, 503 while loading, app arguments. Fast (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.openai_protocol import OpenAIError, parse_chat, parse_completion
+from cluster.openai_router import RouterCore
+from cluster.replica_pool import NoReplicaReady, ReplicaPool
+from cluster.serve_app import ServeArgs, build_app
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def error_of(parse, body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
+        parse(body)
+    return err.value
+
+
+@pytest.mark.parametrize("parse,body,param,fragment", [
+    (parse_chat, {"model": "m"}, "messages", "'messages' is a required property"),
+    (parse_chat, {"messages": []}, "messages", "non-empty"),
+    (parse_chat, {"messages": [{"content": "x"}]}, "messages", "'role'"),
+    (parse_chat, {"messages": CHAT, "temperature": -1}, "temperature", "'temperature' must be in [0, 2], got -1"),
+    (parse_chat, {"messages": CHAT, "top_p": 0}, "top_p", "top_p"),
+    (parse_chat, {"messages": CHAT, "n": 0}, "n", "'n'"),
+    (parse_chat, {"messages": CHAT, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    (parse_chat, {"messages": CHAT, "max_completion_tokens": "5"}, "max_completion_tokens", "integer"),
+    (parse_chat, {"messages": CHAT, "stop": [""]}, "stop", "stop"),
+    (parse_chat, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    (parse_chat, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    (parse_chat, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    (parse_chat, {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (parse_completion, {"prompt": ""}, "prompt", "'prompt' must not be empty"),
+    (parse_completion, {"prompt": []}, "prompt", "must not be empty"),
+    (parse_completion, {}, "prompt", "required"),
+    (parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs", "logprobs"),
+    (parse_completion, {"prompt": [1, "a"]}, "prompt", "prompt"),
+])
+def test_bad_requests_are_400_with_openai_bodies(parse, body, param, fragment):
+    err = error_of(parse, body)
+    assert err.status == 400
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}
+    assert fragment in err.message
+
+
+def test_parsed_fields_follow_openai_defaults():
+    chat = parse_chat({"messages": CHAT, "max_completion_tokens": 7, "stop": "\n", "seed": 3, "n": 2,
+                       "logprobs": True, "top_logprobs": 2, "top_k": 5, "min_p": 0.1, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    assert chat.sampling == {"stop": ["\n"], "max_tokens": 7, "top_k": 5, "min_p": 0.1}
+    assert (chat.n, chat.seed, chat.logprobs, chat.stream, chat.include_usage) == (2, 3, 2, True, True)
+    assert parse_chat({"messages": CHAT}).max_tokens is None           # chat: up to the context length
+    assert parse_completion({"prompt": "x"}).sampling["max_tokens"] == 16   # legacy default
+    assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    assert parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
+    parts = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}]})
+    assert parts.prompts == [[{"role": "system", "content": "ab"}]]
+
+
+def test_routing_picks_fewest_outstanding_tokens_and_pays_them_back():
+    pool = ReplicaPool(3)
+    for i in range(3):
+        pool.update(i, {"state": "ready", "address": None, "info": {"healthy": True}})
+    first = pool.pick(100, 50)                  # all idle: replica 0 (least recently used)
+    second = pool.pick(10, 10)                  # 0 holds 150: replica 1
+    third = pool.pick(10, 10)                   # 1 and 2 hold 20 / 0: replica 2
+    assert [lease.replica.index for lease in (first, second, third)] == [0, 1, 2]
+    assert pool.pick(1, 1).replica.index == 1   # 1: 20, 2: 20 -> 1 was used less recently
+    first.prefilled(100)                        # prefill done: 0 now holds its 50 output tokens
+    first.generated(30)
+    assert pool.replicas[0].outstanding_tokens == 20
+    assert pool.pick(1, 1, exclude=(1, 2)).replica.index == 0
+    first.release()
+    first.release()                             # idempotent
+    assert pool.replicas[0].outstanding_tokens == 2
+
+
+def test_routing_skips_replicas_that_are_not_ready():
+    pool = ReplicaPool(2)
+    with pytest.raises(NoReplicaReady, match="0/2 replicas ready"):
+        pool.pick(1, 1)
+    pool.update(1, {"state": "ready", "address": None, "info": {"healthy": True}})
+    assert pool.pick(1, 1).replica.index == 1
+    pool.mark_unreachable(pool.replicas[1], "UNAVAILABLE")
+    with pytest.raises(NoReplicaReady, match="unreachable"):
+        pool.pick(1, 1)
+    pool.update(1, {"state": "ready", "address": None, "info": {"healthy": False}})  # a rank died
+    assert pool.replicas[1].state == "failed"
+
+
+def test_router_answers_503_while_loading_and_checks_model_and_params_first():
+    async def loading() -> dict:
+        return {"state": "loading", "address": None, "error": None, "info": None}
+
+    async def scenario():
+        core = RouterCore("smollm2-135m-instruct", ["smollm2-135m-instruct"], [loading, loading],
+                          load_tokenizer=lambda: None, poll_s=0.01)
+        core.start()
+        await asyncio.sleep(0.05)
+        try:
+            return [await core.health(), await core.models(),
+                    await core.generate("chat", json.dumps({"messages": CHAT}).encode()),
+                    await core.generate("chat", json.dumps({"messages": CHAT, "model": "gpt-4"}).encode()),
+                    await core.generate("completion", b'{"prompt": "x", "temperature": -1}'),
+                    await core.generate("completion", b"{not json")]
+        finally:
+            await core.close()
+
+    health, models, chat, unknown, bad, not_json = asyncio.run(scenario())
+    for response in (health, models, chat):
+        body = json.loads(response.body)
+        assert response.status_code == 503 and body["error"]["type"] == "service_unavailable_error"
+        assert "loading" in body["error"]["message"] and "0/2 replicas ready" in body["error"]["message"]
+    assert [r["state"] for r in json.loads(health.body)["replicas"]] == ["loading", "loading"]
+    assert unknown.status_code == 404
+    assert json.loads(unknown.body)["error"]["code"] == "model_not_found"
+    assert bad.status_code == 400 and json.loads(bad.body)["error"]["param"] == "temperature"
+    assert not_json.status_code == 400 and "not valid JSON" in json.loads(not_json.body)["error"]["message"]
+
+
+def test_app_arguments():
+    args = ServeArgs.from_dict({"tensor_parallel_size": 2, "data_parallel_size": 2, "cpus_per_worker": 1})
+    assert args.replica_bundles() == [{"CPU": 1.0}, {"CPU": 1}, {"CPU": 1}]
+    assert args.cpus_needed() == 1 + 2 * 3
+    assert ServeArgs.from_dict({"model": "/x/Some-Model.Q4.gguf"}).served_names()[:2] == ["Some-Model.Q4",
+                                                                                          "/x/Some-Model.Q4.gguf"]
+    with pytest.raises(ValueError, match="unknown shardserve app argument"):
+        ServeArgs.from_dict({"tensor_parallel": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ServeArgs.from_dict({"tensor_parallel_size": 0})
+    with pytest.raises(FileNotFoundError, match="not a known model name"):
+        build_app({"model": "/no/such/model.gguf"})
+
+
+def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
+    repo = Path(__file__).resolve().parents[2]
+    serve_config = yaml.safe_load((repo / "serve_config.yaml").read_text())
+    manifest = next(yaml.safe_load_all((repo / "k8s" / "rayservice.yaml").read_text()))
+    for config in (serve_config, yaml.safe_load(manifest["spec"]["serveConfigV2"])):
+        (app,) = config["applications"]
+        assert app["import_path"] == "cluster.serve_app:build_app"
+        args = ServeArgs.from_dict(app["args"])
+        assert args.tensor_parallel_size == 2 and args.model == "smollm2-135m-instruct"
