@@ -135,7 +135,7 @@ def _serve_args(ns: argparse.Namespace):
         grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
-        seed=ns.seed or 0)
+        seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:
@@ -178,6 +178,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     cfg = _serve_args(ns)
     cfg.validate()
+    stop = _interrupt_event()
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     init_ray(ns.address, cfg.cpus_needed())
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
@@ -192,7 +193,7 @@ def _serve(ns: argparse.Namespace) -> int:
             print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference)",
                   flush=True)
         print("Press Ctrl-C to stop.", flush=True)
-        _wait_for_interrupt()
+        stop.wait()
         print("shardserve: shutting down", flush=True)
     except KeyboardInterrupt:
         print("shardserve: interrupted, shutting down", flush=True)

@@ -58,7 +58,7 @@ class ServeArgs:
         grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
-        max_num_batched_tokens, enable_prefix_caching, seed: engine settings (see EngineArgs).
+        max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k: engine settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -82,6 +82,8 @@ class ServeArgs:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
+    dsa: bool | None = None
+    dsa_top_k: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -117,7 +119,8 @@ class ServeArgs:
                           num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
-                          tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split)
+                          tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
+                          dsa=self.dsa, dsa_top_k=self.dsa_top_k)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
