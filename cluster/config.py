@@ -21,6 +21,7 @@ class EngineArgs:
         enable_prefix_caching: reuse KV blocks of equal prompt prefixes.
         seed: seed of the generator used by unseeded sampled requests.
         tensor_parallel_size / tensor_split: TP ranks and their relative shares (uneven splits).
+        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
     """
 
     model: str = DEFAULT_MODEL
@@ -34,6 +35,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     tensor_split: list[float] | None = None
+    speculative_tokens: int = 0
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -43,3 +45,5 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_split is not None and len(self.tensor_split) != self.tensor_parallel_size:
             raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")
+        if not 0 <= self.speculative_tokens <= 4:
+            raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
