@@ -20,6 +20,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=None, help="seed (sampling; engine generator)")
+    parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
+                        help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer (0 = off)")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +52,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
-                      tensor_split=getattr(ns, "tensor_split", None))
+                      tensor_split=getattr(ns, "tensor_split", None), speculative_tokens=ns.speculative_tokens)
 
 
 def _group_config(ns: argparse.Namespace):
@@ -94,7 +96,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
 
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
-    init_ray(ns.address, 1 + group.cpus_per_worker * args.tensor_parallel_size)
+    init_ray(ns.address, 1 + group.cpus_per_worker * (args.tensor_parallel_size + (1 if args.speculative_tokens else 0)))
     handle, pg = launch_coordinator(args, group)
     try:
         address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
