@@ -15,52 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tiny_checkpoints import mtp_block_model, write_tiny_checkpoint
+from spec_helpers import StraightMTP
+from tiny_checkpoints import write_tiny_checkpoint
 from workers.draft_worker import DraftWorker
 from workers.messages import DraftBatch, DraftRequest, NewRequestData, SamplingOptions
 from workers.model_source import ModelFiles, load_config
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 BLOCK_SIZE = 4
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-class StraightMTP:
-    """The formula above from raw tensors; the block is transformers' layer (no cache)."""
-
-    def __init__(self, arch: str, path: Path, config) -> None:
-        tensors = load_file(str(path / "model.safetensors"))
-        prefix = f"model.layers.{config.num_hidden_layers}."
-        self.embed = tensors.get(prefix + "embed_tokens.weight", tensors["model.embed_tokens.weight"])
-        self.head = tensors.get(prefix + "shared_head.head.weight", tensors["lm_head.weight"])
-        self.enorm, self.hnorm = tensors[prefix + "enorm.weight"], tensors[prefix + "hnorm.weight"]
-        self.eh_proj, self.head_norm = tensors[prefix + "eh_proj.weight"], tensors[prefix + "shared_head.norm.weight"]
-        self.eps = config.rms_norm_eps
-        self.block = mtp_block_model(arch, seed=0)
-        # the block transformers holds is the one in the checkpoint
-        attn_key = prefix + "self_attn.kv_a_proj_with_mqa.weight"
-        assert torch.equal(self.block.model.layers[0].self_attn.kv_a_proj_with_mqa.weight, tensors[attn_key])
-
-    @torch.no_grad()
-    def __call__(self, next_tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries ``t = 0..T-1`` (positions) -> ``(logits [T, vocab], o [T, hidden])``."""
-        fused = torch.cat((_rms(self.embed[next_tokens], self.enorm, self.eps), _rms(hidden, self.hnorm, self.eps)),
-                          dim=-1) @ self.eh_proj.T
-        captured = {}
-        layer = self.block.model.layers[0]
-        handle = layer.register_forward_hook(lambda mod, args, out: captured.update(o=out[0] if isinstance(out, tuple)
-                                                                                     else out))
-        try:
-            self.block.model(inputs_embeds=fused[None])
-        finally:
-            handle.remove()
-        out = captured["o"][0]
-        return _rms(out, self.head_norm, self.eps) @ self.head.T, out
 
 
 def _worker(path: Path) -> DraftWorker:
