@@ -174,3 +174,48 @@ def test_logprobs_with_speculation(mtp_checkpoint, plain_outputs):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert torch.isfinite(torch.tensor([lp.logprob for lp in spec.logprobs])).all()
+
+
+def test_preemption_with_drafts_in_flight(mtp_checkpoint, plain_outputs):
+    """A pool too small for the batch: requests are preempted (drafts dropped, draft worker told to
+    forget them) and recomputed; greedy output is unchanged and the pool ends whole."""
+    arch = "deepseek_v32"
+    expected = plain_outputs(arch)
+    llm = make_llm(mtp_checkpoint(arch).path, 3, num_blocks=14)
+    truth = plain_outputs(arch, 24)
+    install_oracle(llm, truth, wrong=lambda index: index % 3 == 1)
+    preempted = []
+    schedule = llm.core.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    llm.core.scheduler.schedule = spy
+    batch = prompts()
+    done = llm.generate(batch, greedy())
+    assert preempted, "the pool must be too small for the whole batch"
+    assert [d.token_ids for d in done] == [expected[tuple(p)] for p in batch]
+    bm = llm.core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks == 14
+
+
+def test_cli_generate_with_speculation(mtp_checkpoint, capsys):
+    """``shardserve generate --speculative-tokens 2`` prints what plain decoding prints."""
+    from cluster.cli import build_parser, main
+
+    path = str(mtp_checkpoint("glm_moe_dsa").path)
+    argv = ["generate", "--model", path, "--prompt", "w005 w017 w033 w090", "--max-tokens", "12",
+            "--kv-cache-gib", "0.002", "--block-size", "4"]
+    texts = []
+    for extra in ([], ["--speculative-tokens", "2"]):
+        assert main(argv + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0].split()) == 12
+    for command in ("generate", "serve-grpc"):
+        ns = build_parser().parse_args([command, "--speculative-tokens", "3"] + (["--prompt", "x"] if command ==
+                                                                                   "generate" else []))
+        assert ns.speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--speculative-tokens", "5"])
