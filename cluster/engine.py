@@ -129,8 +129,11 @@ class EngineCore:
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Apply rank 0's samples for ``batch``: append tokens, check stops, emit deltas.
         Requests aborted while the step ran are skipped."""
+        verified = set()
         for request, sched in zip(batch.requests, batch.plan.scheduled):
-            if not sched.num_spec_tokens:   # verified requests are cached after their rollback
+            if sched.num_spec_tokens:   # verified drafts: hashed after the rollback, in _append
+                verified.add(sched.req_id)
+            else:
                 self.block_manager.cache_full_blocks(request)
         if self.speculator is not None:
             self.speculator.record(batch, result)
@@ -141,7 +144,7 @@ class EngineCore:
         for req_id, samples in by_request.items():
             tracked = self.requests.get(req_id)
             if tracked is not None:
-                outputs.append(self._append(tracked, samples))
+                outputs.append(self._append(tracked, samples, req_id in verified))
         return outputs
 
     def step(self) -> list[RequestOutput]:
@@ -155,7 +158,7 @@ class EngineCore:
             self.speculator.propose(self, batch, result)
         return outputs
 
-    def _append(self, tracked: _Tracked, samples: list[SampledToken]) -> RequestOutput:
+    def _append(self, tracked: _Tracked, samples: list[SampledToken], verified: bool = False) -> RequestOutput:
         request = tracked.request
         now = time.monotonic()
         request.first_token_time = request.first_token_time or now
@@ -169,11 +172,12 @@ class EngineCore:
             if status is not None:
                 break
         request.logprobs.extend(new_logprobs)
-        # Speculative rollback: the caches hold every token but the newest one (positions of
-        # rejected drafts, or of tokens cut by a stop, are stale and get overwritten later). A no-op
-        # without drafts. Only then are full blocks hashed, so the prefix cache sees accepted tokens.
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        self.block_manager.cache_full_blocks(request)
+        if verified:
+            # Speculative rollback: the caches hold every token but the newest one (positions of
+            # rejected drafts, or of tokens cut by a stop, are stale and get overwritten later).
+            # Only then are full blocks hashed, so the prefix cache sees accepted tokens only.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.block_manager.cache_full_blocks(request)
         if status is not None:
             self.scheduler.finish(request, status)
             del self.requests[request.request_id]

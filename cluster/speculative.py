@@ -123,6 +123,14 @@ class _SpecCollector:
                                 "Tokens emitted per verifying sequence-step (accepted + 1)", stats.mean_acceptance_length)
 
 
+def _token_slice(request, start: int, stop: int) -> list[int]:
+    """``request.all_token_ids[start:stop]`` without copying the whole sequence."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt):stop - len(prompt)]
+    return prompt[start:stop] + output[:max(0, stop - len(prompt))]
+
+
 class Speculator:
     """Drives a draft model around the engine's steps.
 
@@ -157,6 +165,8 @@ class Speculator:
     def build(self, core: EngineCore, batch: ScheduledBatch, result: StepResult) -> DraftBatch | None:
         """The draft worker's work after ``core.update(batch, result)``; allocates the blocks the
         drafts will occupy. None when there is nothing to send."""
+        assert result.hidden_states is not None or not batch.plan.scheduled, \
+            "speculation needs the target's hidden states (plan.return_hidden)"
         self._pending_finished += batch.plan.finished_req_ids
         for req_id in batch.plan.finished_req_ids:
             self._num_sent_blocks.pop(req_id, None)
@@ -181,7 +191,7 @@ class Speculator:
                 self._num_sent_blocks[req_id] = 0
             new_blocks = request.block_ids[self._num_sent_blocks[req_id]:]
             self._num_sent_blocks[req_id] = len(request.block_ids)
-            out.scheduled.append(DraftRequest(req_id, request.all_token_ids[start + 1:start + 1 + valid], start,
+            out.scheduled.append(DraftRequest(req_id, _token_slice(request, start + 1, start + 1 + valid), start,
                                               new_blocks, num_drafts, request.num_output_tokens))
             rows.append(result.hidden_states[offset - count:offset - count + valid])
         if not out.scheduled:
