@@ -21,7 +21,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=None, help="seed (sampling; engine generator)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
-                        help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer (0 = off)")
+                        help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
+                             "(0 = off)")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +97,8 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
 
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
-    init_ray(ns.address, 1 + group.cpus_per_worker * (args.tensor_parallel_size + (1 if args.speculative_tokens else 0)))
+    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
     handle, pg = launch_coordinator(args, group)
     try:
         address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))

@@ -48,7 +48,7 @@ class LLM:
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
-        speculator = None
+        speculator, self.drafter = None, None
         if args.speculative_tokens:   # MTP draft model in this process, on the same block ids
             from cluster.speculative import Speculator
             from workers.draft_worker import DraftWorker

@@ -120,7 +120,8 @@ class _SpecCollector:
             rate.add_metric([str(pos + 1)], value)
         yield rate
         yield GaugeMetricFamily(f"{p}_spec_mean_acceptance_length",
-                                "Tokens emitted per verifying sequence-step (accepted + 1)", stats.mean_acceptance_length)
+                                "Tokens emitted per verifying sequence-step (accepted + 1)",
+                                stats.mean_acceptance_length)
 
 
 def _token_slice(request, start: int, stop: int) -> list[int]:

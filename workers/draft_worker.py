@@ -16,6 +16,7 @@ them before any query can read them (every query only reads positions at or befo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ class DraftWorker:
         self.generator.manual_seed(seed + 1)
         cache_bytes = 0
         for layer in self.model.attention_layers():
-            layer.kv_cache = tuple(torch.zeros(s, dtype=dtype) for s in self.model.kv_cache_shape(num_blocks, block_size))
+            shapes = self.model.kv_cache_shape(num_blocks, block_size)
+            layer.kv_cache = tuple(torch.zeros(s, dtype=dtype) for s in shapes)
             cache_bytes += sum(t.numel() * t.element_size() for t in layer.kv_cache)
         logger.info("draft (MTP): weights %.1f MiB, caches %.1f MiB in %d blocks", weight_bytes / 2**20,
                     cache_bytes / 2**20, num_blocks)
@@ -141,7 +143,8 @@ class DraftWorker:
         drafting = [i for i, s in enumerate(scheduled) if s.num_drafts > 0]
         drafts: dict[str, tuple[list, list]] = {scheduled[i].req_id: ([], []) for i in drafting}
         if drafting:
-            last_rows = torch.tensor([sum(lengths[:i + 1]) - 1 for i in drafting])
+            ends = list(itertools.accumulate(lengths))
+            last_rows = torch.tensor([ends[i] - 1 for i in drafting])
             chain = out[last_rows]                                         # [N, hidden] o of the last entry
             active = drafting
             tokens = self._draft([scheduled[i].req_id for i in active], [scheduled[i].output_index for i in active],
