@@ -24,6 +24,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsa", action=argparse.BooleanOptionalAction, default=None,
                         help="DSA sparse attention for DeepSeek-V3.2 / GLM-5 (--no-dsa: dense MLA)")
     parser.add_argument("--dsa-top-k", type=int, default=None, help="keys per query under DSA (default: index_topk)")
+    parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
+                        help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
+                             "(0 = off)")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +57,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
-                      tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k)
+                      tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
+                      speculative_tokens=ns.speculative_tokens)
 
 
 def _group_config(ns: argparse.Namespace):
@@ -101,7 +105,8 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
     stop = _interrupt_event()
-    init_ray(ns.address, 1 + group.cpus_per_worker * args.tensor_parallel_size)
+    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
     handle, pg = launch_coordinator(args, group)
     try:
         address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
@@ -135,7 +140,7 @@ def _serve_args(ns: argparse.Namespace):
         grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
-        seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k)
+        seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, speculative_tokens=ns.speculative_tokens)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:

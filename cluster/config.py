@@ -24,6 +24,7 @@ class EngineArgs:
         dsa: DSA sparse attention on/off for DeepSeek-V3.2 / GLM-5 (None = on when the checkpoint
             has an indexer; off = dense MLA).
         dsa_top_k: keys each query attends to under DSA (None = the checkpoint's ``index_topk``).
+        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
     """
 
     model: str = DEFAULT_MODEL
@@ -39,6 +40,7 @@ class EngineArgs:
     tensor_split: list[float] | None = None
     dsa: bool | None = None
     dsa_top_k: int | None = None
+    speculative_tokens: int = 0
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -50,6 +52,8 @@ class EngineArgs:
             raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")
         if self.dsa_top_k is not None and self.dsa_top_k < 1:
             raise ValueError(f"--dsa-top-k must be >= 1, got {self.dsa_top_k}")
+        if not 0 <= self.speculative_tokens <= 4:
+            raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -21,7 +21,7 @@ from cluster.engine import EngineCore, RequestOutput
 from cluster.request import SamplingParams
 from cluster.scheduler import SchedulerConfig
 from cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from cluster.worker_group import GroupConfig, WorkerDiedError, WorkerGroup
+from cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
 from workers.model_runner import RunnerConfig
 from workers.model_source import load_config, resolve_model
 
@@ -40,7 +40,8 @@ class Coordinator:
         group: placement/communication of the shard workers.
 
     When created inside a placement group, shard worker i uses bundle ``i + 1`` of it (bundle 0
-    is the coordinator's own); otherwise the worker group makes its own placement group.
+    is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) bundle
+    ``tensor_parallel_size + 1``; otherwise the worker group makes its own placement group.
     """
 
     def __init__(self, args: EngineArgs, group: GroupConfig | None = None) -> None:
@@ -64,10 +65,15 @@ class Coordinator:
             group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        self.drafter, speculator = self._start_drafter(args, group, pg), None
+        if self.drafter is not None:
+            from cluster.speculative import Speculator
+
+            speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching)
+                               args.enable_prefix_caching, speculator=speculator)
         self.healthy, self.error = True, None
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -78,6 +84,17 @@ class Coordinator:
         self._node_ip = ray.util.get_node_ip_address()
         logger.info("replica ready: %s, TP=%d (%s, %s), %d KV blocks", self.files.name, args.tensor_parallel_size,
                     self.group.collective, group.dispatch, self.group.num_blocks)
+
+    def _start_drafter(self, args: EngineArgs, group: GroupConfig, pg) -> RemoteDrafter | None:
+        """The MTP draft worker when speculation is on (stops the shard workers if it fails)."""
+        if not args.speculative_tokens:
+            return None
+        try:
+            return RemoteDrafter(self.files, self.hf_config, args.block_size, self.group.num_blocks, group,
+                                 (pg, args.tensor_parallel_size + 1) if pg is not None else None, args.seed)
+        except Exception:
+            self.group.shutdown()
+            raise
 
     # -- engine loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -107,6 +124,13 @@ class Coordinator:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            if self.core.speculator is not None:   # draft the next step's tokens
+                async with self._step_lock:
+                    try:
+                        await self.core.speculator.propose_async(self.core, batch, result)
+                    except WorkerDiedError as exc:
+                        await self._fail(str(exc))
+                        return
 
     def _record_step(self, wall_s: float, result) -> None:
         stats = self.step_stats
@@ -130,7 +154,12 @@ class Coordinator:
                 queue.put_nowait(out)
         if self._grpc is not None:
             self._grpc.set_unhealthy()
-        await asyncio.to_thread(self.group.shutdown)
+        await asyncio.to_thread(self._stop_workers)
+
+    def _stop_workers(self) -> None:
+        self.group.shutdown()
+        if self.drafter is not None:
+            self.drafter.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
@@ -202,7 +231,12 @@ class Coordinator:
             "block_size": bm.block_size, "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_running": len(self.core.scheduler.running), "num_waiting": len(self.core.scheduler.waiting),
             "healthy": self.healthy, "collective": self.group.collective, "dispatch": self.group_config.dispatch,
+            **(self.core.speculator.stats.as_dict() if self.core.speculator else {"speculative_tokens": 0}),
         }
+
+    def speculative_metrics(self) -> str:
+        """MTP acceptance counters in Prometheus text format (empty when speculation is off)."""
+        return self.core.speculator.stats.prometheus_text() if self.core.speculator else ""
 
     def _architecture(self) -> str:
         from workers.models.registry import model_class
@@ -228,7 +262,7 @@ class Coordinator:
             await self._grpc.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
-        await asyncio.to_thread(self.group.shutdown)
+        await asyncio.to_thread(self._stop_workers)
 
 
 def default_cpus_per_worker(tensor_parallel_size: int) -> float:
@@ -237,8 +271,8 @@ def default_cpus_per_worker(tensor_parallel_size: int) -> float:
 
 
 def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None):
-    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers) and start a
-    coordinator actor in it.
+    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers, N + 1: the
+    MTP draft worker when ``args.speculative_tokens > 0``) and start a coordinator actor in it.
 
     Returns:
         ``(actor handle, placement group)``; the caller removes the group when done.
@@ -251,15 +285,16 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     worker_bundle = {"CPU": group.cpus_per_worker, **({"GPU": group.gpus_per_worker} if group.gpus_per_worker else {})}
-    pg = placement_group([{"CPU": 1.0}] + [dict(worker_bundle) for _ in range(args.tensor_parallel_size)],
+    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the draft worker
+    pg = placement_group([{"CPU": 1.0}] + [dict(worker_bundle) for _ in range(num_workers)],
                          strategy=group.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=120)
     if not ready:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)
-        raise TimeoutError(f"the Ray cluster cannot fit 1 + {args.tensor_parallel_size} bundles "
-                           f"({worker_bundle} per shard worker)")
+        raise TimeoutError(f"the Ray cluster cannot fit 1 + {num_workers} bundles "
+                           f"({worker_bundle} per shard or draft worker)")
     options = {"num_cpus": 1.0, "max_concurrency": 1000,
                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)}
     if name:

@@ -4,6 +4,10 @@ The executor runs a :class:`workers.messages.StepPlan` and returns rank 0's
 :class:`workers.messages.StepResult`: a local :class:`workers.model_runner.ModelRunner` in one
 process, or the Ray worker group in the cluster. Everything here is CPU-only bookkeeping:
 validation, scheduling, stop conditions, detokenization, finish reasons, usage.
+
+With a speculator (``cluster/speculative.py``) a step may return several tokens per request (the
+accepted drafts plus one); they are appended one by one through the same stop checks, the output
+ends at the first stop, and the request's computed tokens roll back to what the caches hold.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from cluster.block_manager import BlockManager
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.request import Logprob, Request, RequestStatus, SamplingParams
 from cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from workers.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult
+from workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +62,12 @@ class EngineCore:
         scheduler_config: budgets; ``max_model_len`` is capped to what the pool can hold.
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         vocab_size: the model's vocabulary (prompt ids must be below it).
+        speculator: MTP speculative decoding (``cluster.speculative.Speculator``), or None.
     """
 
     def __init__(self, executor: Executor, tokenizer, num_blocks: int, block_size: int,
                  scheduler_config: SchedulerConfig, eos_token_ids: set[int], vocab_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, speculator=None) -> None:
         self.executor = executor
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -73,6 +78,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.speculator = speculator
+        if speculator is not None:
+            scheduler_config.num_speculative_tokens = speculator.num_speculative_tokens
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -113,42 +121,68 @@ class EngineCore:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """This step's plan (empty ``plan.scheduled`` when there is nothing to run)."""
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            batch.plan.return_hidden = True   # the MTP needs h_t of every computed position
+        return batch
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Apply rank 0's samples for ``batch``: append tokens, check stops, emit deltas.
         Requests aborted while the step ran are skipped."""
-        for request in batch.requests:
-            self.block_manager.cache_full_blocks(request)
+        verified = set()
+        for request, sched in zip(batch.requests, batch.plan.scheduled):
+            if sched.num_spec_tokens:   # verified drafts: hashed after the rollback, in _append
+                verified.add(sched.req_id)
+            else:
+                self.block_manager.cache_full_blocks(request)
+        if self.speculator is not None:
+            self.speculator.record(batch, result)
+        by_request: dict[str, list[SampledToken]] = {}
+        for sampled in result.sampled:   # a request that verified drafts has several, in order
+            by_request.setdefault(sampled.req_id, []).append(sampled)
         outputs = []
-        for sampled in result.sampled:
-            tracked = self.requests.get(sampled.req_id)
+        for req_id, samples in by_request.items():
+            tracked = self.requests.get(req_id)
             if tracked is not None:
-                outputs.append(self._append(tracked, sampled))
+                outputs.append(self._append(tracked, samples, req_id in verified))
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute (blocking), update."""
+        """Schedule, execute (blocking), update; with a speculator, then draft the next tokens."""
         batch = self.schedule()
         if not batch.plan.scheduled:
             return []
-        return self.update(batch, self.executor.execute(batch.plan))
+        result = self.executor.execute(batch.plan)
+        outputs = self.update(batch, result)
+        if self.speculator is not None:
+            self.speculator.propose(self, batch, result)
+        return outputs
 
-    def _append(self, tracked: _Tracked, sampled) -> RequestOutput:
+    def _append(self, tracked: _Tracked, samples: list[SampledToken], verified: bool = False) -> RequestOutput:
         request = tracked.request
         now = time.monotonic()
         request.first_token_time = request.first_token_time or now
-        request.output_token_ids.append(sampled.token_id)
-        new_logprobs = []
-        if sampled.logprob is not None:
-            new_logprobs.append(Logprob(sampled.token_id, sampled.logprob, sampled.top_logprobs or []))
-            request.logprobs.extend(new_logprobs)
-        status = self._check_stop(request, tracked.detokenizer, sampled.token_id)
+        new_ids, new_logprobs, status = [], [], None
+        for sampled in samples:   # stop at the first stop: nothing after it is emitted
+            request.output_token_ids.append(sampled.token_id)
+            new_ids.append(sampled.token_id)
+            if sampled.logprob is not None:
+                new_logprobs.append(Logprob(sampled.token_id, sampled.logprob, sampled.top_logprobs or []))
+            status = self._check_stop(request, tracked.detokenizer, sampled.token_id)
+            if status is not None:
+                break
+        request.logprobs.extend(new_logprobs)
+        if verified:
+            # Speculative rollback: the caches hold every token but the newest one (positions of
+            # rejected drafts, or of tokens cut by a stop, are stale and get overwritten later).
+            # Only then are full blocks hashed, so the prefix cache sees accepted tokens only.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.block_manager.cache_full_blocks(request)
         if status is not None:
             self.scheduler.finish(request, status)
             del self.requests[request.request_id]
         return RequestOutput(
-            request.request_id, [sampled.token_id], tracked.detokenizer.delta(final=status is not None),
+            request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
             request.num_prompt_tokens, request.num_output_tokens)
 

@@ -48,11 +48,19 @@ class LLM:
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        speculator, self.drafter = None, None
+        if args.speculative_tokens:   # MTP draft model in this process, on the same block ids
+            from cluster.speculative import Speculator
+            from workers.draft_worker import DraftWorker
+
+            self.drafter = DraftWorker()
+            self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, seed=args.seed)
+            speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-            args.enable_prefix_caching)
+            args.enable_prefix_caching, speculator=speculator)
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a raw prompt (str), a chat (list of messages), or ids as given."""

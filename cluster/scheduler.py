@@ -22,6 +22,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64                 # sequences in one step at most
     max_num_batched_tokens: int = 2048     # token budget of one step (prefill chunks included)
     max_model_len: int = 8192              # context length at most (prompt + output)
+    # > 0 with MTP speculation: a prefix-cache hit gives back its last block, so the MTP cache entry
+    # of the last hit position (which depends on the token after it) is recomputed by this request.
+    num_speculative_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_probs = [], None
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
         request.sent_to_workers, request.num_sent_blocks = False, 0
@@ -85,7 +89,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Draft tokens are computed like any other (verified in the same forward).
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -101,6 +106,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            if self.config.num_speculative_tokens and hits:
+                hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
@@ -121,14 +128,19 @@ class Scheduler:
                 plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options()))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
+            # Drafts that did not fit the budget are dropped; the rest are verified and consumed.
+            num_spec = max(0, start + num_new - request.num_tokens) if request.spec_token_ids else 0
             plan.scheduled.append(ScheduledRequest(
                 req_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + num_new],
+                token_ids=request.all_token_ids[start:start + num_new - num_spec] + request.spec_token_ids[:num_spec],
                 start_pos=start,
                 new_block_ids=request.block_ids[request.num_sent_blocks:],
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_new - num_spec == request.num_tokens,
                 output_index=request.num_output_tokens,
+                num_spec_tokens=num_spec,
+                draft_probs=None if not num_spec or request.spec_probs is None else request.spec_probs[:num_spec],
             ))
+            request.spec_token_ids, request.spec_probs = [], None
             request.num_sent_blocks = len(request.block_ids)
             request.num_computed_tokens += num_new
             batch.requests.append(request)

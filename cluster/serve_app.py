@@ -58,7 +58,8 @@ class ServeArgs:
         grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
-        max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k: engine settings (see EngineArgs).
+        max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, speculative_tokens: engine
+            settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -84,6 +85,7 @@ class ServeArgs:
     seed: int = 0
     dsa: bool | None = None
     dsa_top_k: int | None = None
+    speculative_tokens: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -120,7 +122,7 @@ class ServeArgs:
                           max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
-                          dsa=self.dsa, dsa_top_k=self.dsa_top_k)
+                          dsa=self.dsa, dsa_top_k=self.dsa_top_k, speculative_tokens=self.speculative_tokens)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -128,9 +130,11 @@ class ServeArgs:
                            collective=self.cpu_collective, dispatch=self.dispatch)
 
     def replica_bundles(self) -> list[dict]:
-        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank."""
+        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank,
+        then one for the MTP draft worker when speculation is on."""
         worker = {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
-        return [{"CPU": 1.0}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
+        num_workers = self.tensor_parallel_size + (1 if self.speculative_tokens else 0)
+        return [{"CPU": 1.0}] + [dict(worker) for _ in range(num_workers)]
 
     def served_names(self) -> list[str]:
         """Names a request's ``model`` may use; the first is reported."""

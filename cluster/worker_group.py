@@ -17,7 +17,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.distributed import collective_kind
-from workers.messages import StepPlan, StepResult
+from workers.draft_worker import DraftWorker
+from workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
 from workers.model_runner import RunnerConfig
 from workers.model_source import ModelFiles
 from workers.partition import split_units
@@ -166,3 +167,48 @@ class WorkerGroup:
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+class RemoteDrafter:
+    """The replica's DraftWorker actor (MTP draft model), beside the shard workers.
+
+    Args:
+        files, hf_config: the model (its MTP layer is loaded).
+        block_size, num_blocks: the target's cache layout (the draft caches share its block ids).
+        config: CPUs/GPUs of the actor (one shard worker's share).
+        placement: an existing placement group and the draft's bundle index in it (None: no group).
+        seed: seed of the draft's generator for unseeded requests.
+
+    Raises:
+        WorkerDiedError: the actor failed to start or load (e.g. the checkpoint has no MTP layer).
+    """
+
+    def __init__(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int, config: GroupConfig,
+                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0) -> None:
+        options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
+        if placement is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement[0], placement_group_bundle_index=placement[1])
+        self.actor = ray.remote(DraftWorker).options(**options).remote(max(1, int(config.cpus_per_worker)))
+        try:
+            self.info = ray.get(self.actor.load.remote(files, hf_config, block_size, num_blocks, seed=seed))
+        except Exception as exc:
+            self.shutdown()
+            raise WorkerDiedError(f"draft worker failed to start: {exc}") from exc
+
+    def propose(self, batch: DraftBatch) -> DraftResult:
+        """Run one drafting pass on the actor.
+
+        Raises:
+            WorkerDiedError: the actor died or raised.
+        """
+        try:
+            return ray.get(self.actor.propose.remote(batch))
+        except Exception as exc:
+            raise WorkerDiedError(f"draft worker failed: {type(exc).__name__}: {exc}") from exc
+
+    def shutdown(self) -> None:
+        """Stop the actor. Idempotent."""
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+            self.actor = None

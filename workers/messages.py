@@ -40,6 +40,8 @@ class ScheduledRequest:
     new_block_ids: list[int]        # blocks appended to the request's block table this step
     sample: bool                    # True when this step reaches the last known token
     output_index: int               # index of the token to sample among the outputs (seeded RNG stream)
+    num_spec_tokens: int = 0        # the last num_spec_tokens of token_ids are draft tokens to verify
+    draft_probs: object = None      # [num_spec_tokens, vocab] float32 draft distribution q (None: greedy)
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class StepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # forget these before scheduling
     return_logits: bool = False     # rank 0 also returns the raw logits (tests, debugging)
+    return_hidden: bool = False     # rank 0 also returns every computed token's final hidden state (MTP)
 
 
 @dataclass(slots=True)
@@ -66,7 +69,51 @@ class SampledToken:
 class StepResult:
     """Rank 0's answer to a :class:`StepPlan`."""
 
+    # One entry per sampling request; a request that verified drafts gets its accepted drafts and
+    # then the bonus/corrected token, consecutive and in order (1 to num_spec_tokens + 1 entries).
     sampled: list[SampledToken] = field(default_factory=list)
-    logits: object = None           # [num_sampled, vocab] float32 torch tensor when the plan asked
+    logits: object = None           # [num_logit_rows, vocab] float32 torch tensor when the plan asked
+    hidden_states: object = None    # [num_tokens, hidden] float32, plan order, when plan.return_hidden
     execute_s: float = 0.0          # rank 0's wall time inside execute (s)
     collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s
+
+
+# -- draft model (MTP) boundary: coordinator -> DraftWorker ------------------------------------
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One request's MTP work: cache entries for the positions the target just verified, then
+    (optionally) ``num_drafts`` chained draft tokens."""
+
+    req_id: str
+    token_ids: list[int]            # x_{t+1} for each entry t = start_pos .. start_pos + len - 1
+    start_pos: int                  # first entry's position (== entries already in the MTP cache)
+    new_block_ids: list[int]        # blocks appended to the request's block table since the last batch
+    num_drafts: int                 # draft tokens to propose after the entries (0: only fill the cache)
+    output_index: int               # output index of the first draft token (seeded RNG stream)
+
+
+@dataclass(slots=True)
+class DraftBatch:
+    """Everything the draft worker needs for one drafting pass."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[DraftRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)   # forget these first
+    hidden_states: object = None    # [sum(len(token_ids)), hidden] float32 target h_t of each entry
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    """Draft tokens for one request."""
+
+    req_id: str
+    token_ids: list[int]            # 1..num_drafts proposed tokens
+    probs: object = None            # [len(token_ids), vocab] float32 draft distribution q (None: greedy)
+
+
+@dataclass(slots=True)
+class DraftResult:
+    """The draft worker's answer to a :class:`DraftBatch` (requests with ``num_drafts > 0`` only)."""
+
+    proposals: list[DraftProposal] = field(default_factory=list)

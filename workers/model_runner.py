@@ -17,7 +17,7 @@ from workers.distributed import get_tp_group
 from workers.forward_context import AttentionMetadata, forward_context
 from workers.messages import SamplingOptions, StepPlan, StepResult
 from workers.model_source import ModelFiles
-from workers.sampler import sample, sampled_tokens
+from workers.sampler import sample, sample_with_drafts, sampled_tokens
 from workers.weight_loader import build_model
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_blocks, self.cache_bytes = 0, 0
+        self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
         if config.num_blocks is not None:
             self.allocate_kv_cache(config.num_blocks)
 
@@ -105,8 +106,8 @@ class ModelRunner:
             positions.extend(range(sched.start_pos, sched.start_pos + num))
             query_start.append(query_start[-1] + num)
             seq_lens.append(sched.start_pos + num)
-            if sched.sample:
-                logits_rows.append(query_start[-1] - 1)
+            if sched.sample:   # the last row, and one more per draft token being verified
+                logits_rows.extend(range(query_start[-1] - 1 - sched.num_spec_tokens, query_start[-1]))
         tables = [self.requests[s.req_id].block_ids for s in plan.scheduled]
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -127,13 +128,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
-        """Apply ``plan`` and run the forward; ``[num_sampling_requests, vocab]`` float32 logits."""
+        """Apply ``plan`` and run the forward; float32 logits ``[rows, vocab]``, one row per sampling
+        request plus one per draft token it verifies."""
         self._apply_plan(plan)
+        self.last_hidden_states = None
         if not plan.scheduled:
             return torch.empty(0, self.hf_config.vocab_size)
         input_ids, meta, logits_rows = self._prepare_inputs(plan)
         with forward_context(meta):
             hidden = self.model(input_ids, meta.positions)
+        if plan.return_hidden:
+            self.last_hidden_states = hidden
         return self.model.compute_logits(hidden[logits_rows])
 
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -143,6 +148,9 @@ class ModelRunner:
             return None
         sampling = [s for s in plan.scheduled if s.sample]
         options = [self.requests[s.req_id].sampling for s in sampling]
-        tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
-        return StepResult(sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options),
-                          logits if plan.return_logits else None)
+        if any(s.num_spec_tokens for s in sampling):
+            sampled = sample_with_drafts(logits, sampling, options, self.generator)
+        else:
+            tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
+            sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
+        return StepResult(sampled, logits if plan.return_logits else None, self.last_hidden_states)

@@ -6,7 +6,16 @@ checkpoints use). Weights are re-drawn at scales that make every part of the mod
 (norm weights near 1, router bias and LayerNorm bias non-zero, activations O(1)), so parity tests
 are not passed by near-uniform logits. :func:`write_fp8_checkpoint` turns a checkpoint into the
 DeepSeek-V3 FP8 format (``float8_e4m3fn`` weights + ``weight_scale_inv`` per block).
-Tokenizer files are not written: the tests feed token ids.
+
+``mtp=True`` adds one Multi-Token Prediction layer the way DeepSeek-V3/V3.2 and GLM-5 ship it
+(transformers does not build these): ``model.layers.{L}.*`` with ``L = num_hidden_layers`` holds
+``enorm``, ``hnorm``, ``eh_proj``, a full decoder block (MLA with an indexer when the architecture
+has DSA, MoE MLP) and ``shared_head.norm``; ``config.json`` gains ``num_nextn_predict_layers=1``.
+The block is the layer of a one-layer transformers model of the same architecture
+(:func:`mtp_block_model` rebuilds it: the test oracle). ``mtp_own_head=True`` also stores
+``embed_tokens`` / ``shared_head.head`` (copies of the main ones, as DeepSeek-V3 does); without
+them the MTP falls back to the main model's. ``tokenizer=True`` writes a word-level tokenizer
+(token ``i`` <-> ``"w{i:03d}"``) so the engine front end (detokenizer, stop strings) can run.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -92,15 +102,82 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides):
+def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, *, mtp: bool = False,
+                          mtp_own_head: bool = False, tokenizer: bool = False, **overrides):
     """Build a tiny ``arch`` model and ``save_pretrained`` it to ``path``.
+
+    Args:
+        mtp: also write one MTP layer (see the module docstring).
+        mtp_own_head: the MTP layer stores its own ``embed_tokens`` and ``shared_head.head``.
+        tokenizer: write the word-level test tokenizer.
 
     Returns:
         the transformers model (the reference for parity tests).
     """
     model = build_hf_model(arch, seed, **overrides)
     model.save_pretrained(str(path))
+    if mtp:
+        _add_mtp_layer(arch, Path(path), model, seed, mtp_own_head, overrides)
+    if tokenizer:
+        write_tiny_tokenizer(path, model.config.vocab_size)
     return model
+
+
+def mtp_block_model(arch: str, seed: int = 0, **overrides):
+    """The one-layer transformers model whose layer 0 is the MTP block of a checkpoint written with
+    ``mtp=True`` (same ``seed`` and ``overrides``): MoE MLP, own DSA indexer when ``arch`` has one."""
+    layer = dict(num_hidden_layers=1, mlp_layer_types=["sparse"], first_k_dense_replace=0)
+    if arch == "glm_moe_dsa":
+        layer["indexer_types"] = ["full"]
+    return build_hf_model(arch, seed + 1000, **{**overrides, **layer})
+
+
+@torch.no_grad()
+def _add_mtp_layer(arch: str, path: Path, model, seed: int, own_head: bool, overrides: dict) -> None:
+    """Append ``model.layers.{L}.*`` MTP tensors to ``path/model.safetensors`` and set
+    ``num_nextn_predict_layers=1`` in ``config.json``."""
+    from safetensors.torch import load_file, save_file
+
+    config = model.config
+    num_layers, hidden = config.num_hidden_layers, config.hidden_size
+    prefix = f"model.layers.{num_layers}."
+    tensors = load_file(str(path / "model.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:   # save_pretrained writes the per-expert layout
+        mtp_block_model(arch, seed, **overrides).save_pretrained(tmp)
+        for name, tensor in load_file(str(Path(tmp) / "model.safetensors")).items():
+            if name.startswith("model.layers.0."):
+                tensors[prefix + name[len("model.layers.0."):]] = tensor
+    gen = torch.Generator().manual_seed(seed + 2000)
+    tensors[prefix + "enorm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    tensors[prefix + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
+    tensors[prefix + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    if own_head:
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def tiny_token_text(token_id: int) -> str:
+    """The text of token ``token_id`` in the test tokenizer."""
+    return f"w{token_id:03d}"
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ``vocab_size`` tokens ``w000 w001 ...`` (space-separated when
+    decoded); ``w000`` is BOS and ``w001`` EOS, matching the tiny configs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tiny_token_text(i): i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=tiny_token_text(2)))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=tiny_token_text(0),
+                                   eos_token=tiny_token_text(1), unk_token=tiny_token_text(2))
+    fast.save_pretrained(str(path))
 
 
 def load_hf_model(path: str | Path):

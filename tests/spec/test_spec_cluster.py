@@ -1,0 +1,52 @@
+"""The Ray path: a coordinator with TP=2 shard workers and the DraftWorker actor in its own
+placement bundle (tp + 1). Greedy completions with speculation equal the single-process engine's
+plain decoding, the acceptance counters reach ModelInfo (also over gRPC) and Prometheus text, and
+every block returns to the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import EngineArgs
+from cluster.worker_group import GroupConfig
+from spec_helpers import BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("arch,k,split,dispatch", [
+    ("deepseek_v32", 1, [3.0, 1.0], "calls"),
+    ("glm_moe_dsa", 2, None, "compiled"),
+    ("deepseek_v32", 3, None, "calls"),
+], ids=["v32-k1-split3,1", "glm-k2-compiled", "v32-k3"])
+def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint, arch, k, split, dispatch):
+    path = mtp_checkpoint(arch).path
+    batch = prompts()
+    expected = [d.token_ids for d in make_llm(path, 0).generate(batch, greedy())]
+    args = EngineArgs(model=str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
+                      tensor_parallel_size=2, tensor_split=split, speculative_tokens=k)
+    handle = replicas.launch(args, GroupConfig(cpus_per_worker=1, dispatch=dispatch))
+    try:
+        assert replicas.groups[handle].bundle_count == 1 + 2 + 1   # coordinator, 2 shards, draft
+        done = ray_cluster.get([handle.complete.remote(p, greedy()) for p in batch])   # one batch
+        assert [d["token_ids"] for d in done] == expected
+        info = ray_cluster.get(handle.model_info.remote())
+        assert info["speculative_tokens"] == k and info["spec_num_draft_tokens"] > 0
+        assert len(info["spec_acceptance_rate"]) == k and info["spec_mean_acceptance_length"] >= 1.0
+        assert info["num_free_blocks"] == info["num_blocks"] == NUM_BLOCKS
+        metrics = ray_cluster.get(handle.speculative_metrics.remote())
+        assert f"shardserve_spec_draft_tokens_total {float(info['spec_num_draft_tokens'])}" in metrics
+        assert 'shardserve_spec_acceptance_rate{position="1"}' in metrics
+
+        import grpc
+
+        from proto import inference_pb2 as pb
+        from proto import inference_pb2_grpc as pb_grpc
+
+        address = ray_cluster.get(handle.start_grpc.remote(0, "127.0.0.1"))
+        with grpc.insecure_channel(address) as channel:
+            reply = pb_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
+        assert reply.speculative_tokens == k and reply.spec_num_draft_tokens == info["spec_num_draft_tokens"]
+        assert len(reply.spec_acceptance_rate) == k
+    finally:
+        replicas.stop(handle)

@@ -1,0 +1,167 @@
+"""DraftWorker: the MTP draft model with its own paged caches (a Ray actor in the cluster; a plain
+object in the single-process engine).
+
+Each engine step the coordinator sends a :class:`DraftBatch`: for every request, the positions
+the target just computed *and accepted*, the next token of each (``x_{t+1}``) and the target's
+hidden state ``h_t``. The worker writes those MTP cache entries (the entry of position ``t`` goes
+to the slot of ``t`` on the target's block table, so its latent and indexer caches mirror the
+target's), and for requests that decode next it proposes ``num_drafts`` tokens by chaining: the
+last entry's logits give draft 1; draft ``j + 1`` comes from one more MTP step at the next position
+with draft ``j`` as its token and the previous MTP output ``o`` as its hidden state.
+
+Rollback needs no work here: entries written for drafts (chained positions) are stale as soon as
+the target rejects them, and the next batch starts at the first unaccepted position and overwrites
+them before any query can read them (every query only reads positions at or before its own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from workers.checkpoint import open_checkpoint
+from workers.forward_context import AttentionMetadata, forward_context
+from workers.messages import DraftBatch, DraftProposal, DraftResult, SamplingOptions
+from workers.model_source import ModelFiles
+from workers.models.mtp import build_mtp_model
+from workers.sampler import draft_sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _DraftState:
+    block_ids: list[int]
+    sampling: SamplingOptions
+
+
+def paged_metadata(start_pos: list[int], num_tokens: list[int], tables: list[list[int]],
+                   block_size: int) -> AttentionMetadata:
+    """Attention metadata for ``num_tokens[i]`` query tokens of sequence ``i`` at positions
+    ``start_pos[i]..`` over block tables ``tables`` (the runner's layout, see ``forward_context``)."""
+    positions, query_start, seq_lens = [], [0], []
+    for start, count in zip(start_pos, num_tokens):
+        positions.extend(range(start, start + count))
+        query_start.append(query_start[-1] + count)
+        seq_lens.append(start + count)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(num_tokens))
+    blocks = block_tables[seq_of_token, positions_t // block_size].long()
+    return AttentionMetadata(
+        slot_mapping=blocks * block_size + positions_t % block_size, positions=positions_t,
+        query_start_loc=torch.tensor(query_start, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64), block_tables=block_tables,
+        max_query_len=max(num_tokens), max_seq_len=max(seq_lens))
+
+
+class DraftWorker:
+    """Owns the MTP module and its caches; proposes draft tokens.
+
+    Args:
+        num_threads: torch intra-op threads (the CPUs reserved for the draft).
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(max(1, num_threads))
+        self.model = None
+        self.requests: dict[str, _DraftState] = {}
+        self.block_size = 0
+        self.num_blocks = 0
+        self.generator = torch.Generator()
+
+    def load(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int,
+             dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+        """Load the MTP weights and allocate ``num_blocks`` cache blocks (the target's count: the
+        caches share its block ids).
+
+        Returns:
+            ``{"weight_bytes", "cache_bytes", "pid"}``.
+
+        Raises:
+            ValueError: the checkpoint has no MTP layer.
+        """
+        self.model, weight_bytes = build_mtp_model(hf_config, open_checkpoint(files.path), dtype)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.generator.manual_seed(seed + 1)
+        cache_bytes = 0
+        for layer in self.model.attention_layers():
+            shapes = self.model.kv_cache_shape(num_blocks, block_size)
+            layer.kv_cache = tuple(torch.zeros(s, dtype=dtype) for s in shapes)
+            cache_bytes += sum(t.numel() * t.element_size() for t in layer.kv_cache)
+        logger.info("draft (MTP): weights %.1f MiB, caches %.1f MiB in %d blocks", weight_bytes / 2**20,
+                    cache_bytes / 2**20, num_blocks)
+        return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid()}
+
+    def _apply(self, batch: DraftBatch) -> None:
+        for req_id in batch.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in batch.new_requests:
+            self.requests[new.req_id] = _DraftState([], new.sampling)
+        for sched in batch.scheduled:
+            self.requests[sched.req_id].block_ids.extend(sched.new_block_ids)
+
+    def _forward(self, req_ids: list[str], start_pos: list[int], num_tokens: list[int], input_ids: list[int],
+                 prev_hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP forward over packed entries; returns the block outputs ``o [T, hidden]``."""
+        meta = paged_metadata(start_pos, num_tokens, [self.requests[r].block_ids for r in req_ids], self.block_size)
+        with forward_context(meta):
+            return self.model(torch.tensor(input_ids, dtype=torch.int64), meta.positions, prev_hidden)
+
+    def _draft(self, req_ids: list[str], output_indices: list[int], out: torch.Tensor,
+               drafts: dict[str, tuple[list, list]]) -> list[int]:
+        """Sample one draft per row of ``out [N, hidden]``; appends ``(token, q)`` to ``drafts[req]``."""
+        options = [self.requests[r].sampling for r in req_ids]
+        tokens, probs = draft_sample(self.model.compute_logits(out), options, output_indices, self.generator)
+        for req_id, token, q in zip(req_ids, tokens, probs):
+            drafts[req_id][0].append(token)
+            drafts[req_id][1].append(q)
+        return tokens
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> DraftResult:
+        """Write the batch's MTP cache entries and propose drafts (see the module docstring).
+
+        Returns:
+            one :class:`DraftProposal` per request with ``num_drafts > 0``, in batch order.
+        """
+        self._apply(batch)
+        scheduled = batch.scheduled
+        if not scheduled:
+            return DraftResult()
+        lengths = [len(s.token_ids) for s in scheduled]
+        assert batch.hidden_states.shape[0] == sum(lengths), \
+            f"{batch.hidden_states.shape[0]} hidden rows for {sum(lengths)} entries"
+        out = self._forward([s.req_id for s in scheduled], [s.start_pos for s in scheduled], lengths,
+                            [t for s in scheduled for t in s.token_ids], batch.hidden_states)
+        drafting = [i for i, s in enumerate(scheduled) if s.num_drafts > 0]
+        drafts: dict[str, tuple[list, list]] = {scheduled[i].req_id: ([], []) for i in drafting}
+        if drafting:
+            ends = list(itertools.accumulate(lengths))
+            last_rows = torch.tensor([ends[i] - 1 for i in drafting])
+            chain = out[last_rows]                                         # [N, hidden] o of the last entry
+            active = drafting
+            tokens = self._draft([scheduled[i].req_id for i in active], [scheduled[i].output_index for i in active],
+                                 chain, drafts)
+            for step in range(1, max(scheduled[i].num_drafts for i in drafting)):
+                keep = [row for row, i in enumerate(active) if scheduled[i].num_drafts > step]
+                active, chain = [active[row] for row in keep], chain[torch.tensor(keep)]
+                tokens = [tokens[row] for row in keep]
+                req_ids = [scheduled[i].req_id for i in active]
+                # Chained step: position of the last entry + step, token = previous draft, h = previous o.
+                chain = self._forward(req_ids, [scheduled[i].start_pos + lengths[i] + step - 1 for i in active],
+                                      [1] * len(active), tokens, chain)
+                tokens = self._draft(req_ids, [scheduled[i].output_index + step for i in active], chain, drafts)
+        proposals = []
+        for req_id, (tokens, probs) in drafts.items():
+            proposals.append(DraftProposal(req_id, tokens, None if probs[0] is None else torch.stack(probs)))
+        return DraftResult(proposals)
+
+    def shutdown(self) -> None:
+        """Nothing to release (kept for symmetry with ShardWorker)."""
