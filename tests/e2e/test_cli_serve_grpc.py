@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from procs import free_port
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_serve_grpc_tp2_answers_and_stops_on_interrupt(smollm2_files):

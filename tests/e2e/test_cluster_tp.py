@@ -5,7 +5,6 @@ tokens and logits within 1e-4 of TP=1."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cluster.config import EngineArgs
 from cluster.request import SamplingParams

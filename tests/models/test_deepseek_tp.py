@@ -8,12 +8,9 @@ indexer, IndexShare and the MoE all-reduce all cross ranks.
 
 from __future__ import annotations
 
-import socket
-import time
 
-import pytest
 import torch
-import torch.multiprocessing as mp
+from procs import free_port, run_ranks
 
 from plan_driver import PlanDriver, make_runner
 from workers.comm_cpu import GlooGroup
@@ -59,22 +56,11 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, str]], 
         group.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_tp2_matches_tp1(tiny_model, tmp_path):
     jobs = [(arch, str(tiny_model(arch).path)) for arch in SPLITS]
     out_path = tmp_path / "tp2.pt"
-    context = mp.spawn(_worker, args=(2, _free_port(), jobs, str(out_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"TP=2 workers did not finish within {TIMEOUT_S}s")
+    run_ranks(_worker, (2, free_port(), jobs, str(out_path)), nprocs=2, timeout_s=TIMEOUT_S)
     ranks = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
     # (local heads, local routed experts) per rank: the uneven splits really are uneven.
     assert [r["layout"]["deepseek_v32"] for r in ranks] == [(3, 6), (1, 2)]

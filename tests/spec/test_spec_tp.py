@@ -8,14 +8,11 @@ worker as an actor, is ``test_spec_cluster.py``.)
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
-import pytest
 import torch
+from procs import free_port, run_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from spec_helpers import ARCHS, BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
 
@@ -133,22 +130,11 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, str]], out_path: str) ->
         group.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_tp2_speculative_greedy_equals_tp1_plain(mtp_checkpoint, tmp_path):
     jobs = [(arch, str(mtp_checkpoint(arch).path)) for arch in ARCHS]
     out_path = tmp_path / "tp2-spec.pt"
-    context = mp.spawn(_worker, args=(_free_port(), jobs, str(out_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"TP=2 workers did not finish within {TIMEOUT_S}s")
+    run_ranks(_worker, (free_port(), jobs, str(out_path)), nprocs=2, timeout_s=TIMEOUT_S)
     results = torch.load(out_path)
     for arch, path in jobs:
         reference = make_llm(Path(path), 0)

@@ -3,12 +3,12 @@ and gathers (uneven sizes), bitwise equal on every rank; an aborted segment unbl
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from procs import free_port
 from workers.comm_cpu import GlooGroup, SharedMemoryGroup, SharedMemorySegment
 from workers.distributed import TensorParallelGroup, collective_kind
 
@@ -37,16 +37,11 @@ def _run(rank: int, kind: str, info: dict, out: dict) -> None:
         group.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
 def test_all_reduce_and_uneven_all_gather(kind):
     segment = SharedMemorySegment(WORLD, max_floats=64) if kind == "shm" else None
-    info = {"name": segment.name, "max_floats": 64} if segment else {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
+    info = {"name": segment.name, "max_floats": 64} if segment else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
