@@ -28,3 +28,4 @@ bench: install
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_dsa.py
+	$(PY) benchmarks/bench_speculative.py

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,8 +159,6 @@ class EngineCore:
 
     def _append(self, tracked: _Tracked, samples: list[SampledToken], verified: bool = False) -> RequestOutput:
         request = tracked.request
-        now = time.monotonic()
-        request.first_token_time = request.first_token_time or now
         new_ids, new_logprobs, status = [], [], None
         for sampled in samples:   # stop at the first stop: nothing after it is emitted
             request.output_token_ids.append(sampled.token_id)

@@ -19,24 +19,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from workers.checkpoint import open_checkpoint
 from workers.forward_context import AttentionMetadata, forward_context
-from workers.messages import DraftBatch, DraftProposal, DraftResult, SamplingOptions
+from workers.messages import DraftBatch, DraftProposal, DraftResult
+from workers.model_runner import RequestState, apply_request_diffs
 from workers.model_source import ModelFiles
 from workers.models.mtp import build_mtp_model
 from workers.sampler import draft_sample
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _DraftState:
-    block_ids: list[int]
-    sampling: SamplingOptions
 
 
 def paged_metadata(start_pos: list[int], num_tokens: list[int], tables: list[list[int]],
@@ -71,7 +65,7 @@ class DraftWorker:
         if num_threads:
             torch.set_num_threads(max(1, num_threads))
         self.model = None
-        self.requests: dict[str, _DraftState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.block_size = 0
         self.num_blocks = 0
         self.generator = torch.Generator()
@@ -100,12 +94,7 @@ class DraftWorker:
         return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid()}
 
     def _apply(self, batch: DraftBatch) -> None:
-        for req_id in batch.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in batch.new_requests:
-            self.requests[new.req_id] = _DraftState([], new.sampling)
-        for sched in batch.scheduled:
-            self.requests[sched.req_id].block_ids.extend(sched.new_block_ids)
+        apply_request_diffs(self.requests, batch.finished_req_ids, batch.new_requests, batch.scheduled)
 
     def _forward(self, req_ids: list[str], start_pos: list[int], num_tokens: list[int], input_ids: list[int],
                  prev_hidden: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,23 @@ class RunnerConfig:
 
 
 @dataclass(slots=True)
-class _RequestState:
+class RequestState:
+    """What a worker keeps per request between steps."""
+
     block_ids: list[int]
     sampling: SamplingOptions
+
+
+def apply_request_diffs(requests: dict[str, RequestState], finished_req_ids, new_requests, scheduled) -> None:
+    """Apply one plan's diff to a worker's per-request state: forget finished requests first,
+    then add new ones, then append each scheduled request's new block ids (shared by the target
+    runner and the MTP draft worker, which mirror the same block tables)."""
+    for req_id in finished_req_ids:
+        requests.pop(req_id, None)
+    for new in new_requests:
+        requests[new.req_id] = RequestState([], new.sampling)
+    for sched in scheduled:
+        requests[sched.req_id].block_ids.extend(sched.new_block_ids)
 
 
 class ModelRunner:
@@ -60,7 +74,7 @@ class ModelRunner:
         self.model, self.weight_bytes = build_model(hf_config, open_checkpoint(files.path),
                                                     config.tensor_split, config.dtype, progress)
         self.block_size = config.block_size
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_blocks, self.cache_bytes = 0, 0
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
@@ -91,12 +105,7 @@ class ModelRunner:
                     self.num_blocks, self.block_size)
 
     def _apply_plan(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in plan.new_requests:
-            self.requests[new.req_id] = _RequestState([], new.sampling)
-        for sched in plan.scheduled:
-            self.requests[sched.req_id].block_ids.extend(sched.new_block_ids)
+        apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         input_ids, positions, query_start, seq_lens, logits_rows = [], [], [0], [], []
