@@ -25,8 +25,17 @@ def default_weight_loader(param: nn.Parameter, tensor: LazyTensor, shard_id: int
     param.data.copy_(tensor.load())
 
 
-def checkpoint_sources(model: nn.Module, param_name: str, ckpt: Checkpoint) -> list[tuple[str, int]]:
-    """The ``(checkpoint tensor name, shard id)`` pairs that make up parameter ``param_name``."""
+def checkpoint_sources(model: nn.Module, param_name: str, ckpt: Checkpoint,
+                       param: nn.Parameter | None = None) -> list[tuple[str, int]]:
+    """The ``(checkpoint tensor name, shard id)`` pairs that make up parameter ``param_name``.
+
+    A parameter stacked from many tensors (MoE experts) lists them itself as
+    ``param.checkpoint_parts``: ``(name relative to its module, shard id)`` pairs.
+    """
+    parts = getattr(param, "checkpoint_parts", None)
+    if parts is not None:
+        module = param_name.rsplit(".", 1)[0]
+        return [(f"{module}.{part}", shard_id) for part, shard_id in parts]
     mapping = getattr(model, "packed_modules_mapping", {})
     for packed in {p for p, _ in mapping.values()}:
         if f".{packed}." in param_name:
@@ -51,7 +60,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> i
     for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", file=sys.stderr,
                             disable=not progress, leave=False):
         loader = getattr(param, "weight_loader", default_weight_loader)
-        for ckpt_name, shard_id in checkpoint_sources(model, name, ckpt):
+        for ckpt_name, shard_id in checkpoint_sources(model, name, ckpt, param):
             loader(param, ckpt.require(ckpt_name), shard_id)
         total += param.numel() * param.element_size()
     return total

@@ -50,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, str]], 
             runner = make_runner(path, tensor_split=SPLITS[arch])
             results[arch] = run_script(runner)
             moe = next(layer.mlp for layer in runner.model.model.layers if hasattr(layer.mlp, "experts"))
-            layout[arch] = (runner.model.attention_layers()[0].num_heads, len(moe.experts))
+            layout[arch] = (runner.model.attention_layers()[0].num_heads, moe.experts.count)
         torch.save({"logits": results, "layout": layout}, f"{out_path}.{rank}")
     finally:
         group.close()

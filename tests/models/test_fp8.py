@@ -52,10 +52,11 @@ def test_fp8_checkpoint_matches_dequantized_reference(fp8_models, arch):
     quantized = load_file(str(fp8_path / "model.safetensors"))
     checked = 0
     for name, param in runner.model.named_parameters():
-        sources = [src for src, _ in checkpoint_sources(runner.model, name, SafetensorsCheckpoint(tiny.path))]
+        sources = [src for src, _ in checkpoint_sources(runner.model, name, SafetensorsCheckpoint(tiny.path), param)]
         if not all(quantized[src].dtype == torch.float8_e4m3fn for src in sources):
             continue
         reference = torch.cat([original[src] for src in sources])
+        param = param.reshape(reference.shape)          # stacked experts [E, rows, cols] -> [E * rows, cols]
         scales = torch.cat([quantized[src.replace("weight", "weight_scale_inv")]
                             .repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:original[src].shape[0],
                                                                                            :original[src].shape[1]]

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import silu_and_mul
+from kernels import fused_moe, silu_and_mul
+from workers.checkpoint import CheckpointError, LazyTensor
 from workers.distributed import get_tp_group
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -85,6 +86,65 @@ class TopkRouter(nn.Module):
         return weights * self.routed_scaling_factor, expert_ids
 
 
+class FusedExperts(nn.Module):
+    """This rank's routed experts as stacked weights, run by :func:`kernels.fused_moe` (one
+    Triton grouped GEMM per projection on GPU; the per-expert torch loop on CPU).
+
+    Args:
+        hidden_size: model width ``H``.
+        intermediate_size: ``moe_intermediate_size`` ``I`` of one expert.
+        expert_range: ``(first_expert, num_local_experts)``: global expert ids this rank holds.
+        dtype: parameter dtype.
+
+    Parameters (vLLM's ``FusedMoE`` layout):
+        ``w13_weight [E_local, 2I, H]``: each local expert's ``gate_proj`` rows then ``up_proj`` rows.
+        ``w2_weight [E_local, H, I]``: each local expert's ``down_proj``.
+    Both name their checkpoint tensors ``experts.{global_id}.{gate,up,down}_proj.weight`` through
+    ``checkpoint_parts`` (read by :func:`workers.weight_loader.checkpoint_sources`), so a rank reads
+    only its own experts.
+
+    Shapes: ``forward(hidden [T, H], weights [T, k] float32, expert_ids [T, k] int64 global ids)
+    -> [T, H]``, this rank's partial sum (ids of other ranks' experts contribute nothing).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, expert_range: tuple[int, int],
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.first, self.count = expert_range
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(self.count, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.count, hidden_size, intermediate_size, dtype=dtype),
+                                      requires_grad=False)
+        experts = range(self.first, self.first + self.count)
+        # shard id of w13: 2 * local expert + (0 gate, 1 up); of w2: the local expert.
+        self.w13_weight.checkpoint_parts = [(f"{e}.{proj}.weight", 2 * i + half) for i, e in enumerate(experts)
+                                            for half, proj in enumerate(("gate_proj", "up_proj"))]
+        self.w2_weight.checkpoint_parts = [(f"{e}.down_proj.weight", i) for i, e in enumerate(experts)]
+        self.w13_weight.weight_loader = self._load_w13
+        self.w2_weight.weight_loader = self._load_w2
+
+    @staticmethod
+    def _check(tensor: LazyTensor, expected: tuple[int, int]) -> None:
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(
+                f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
+
+    def _load_w13(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int) -> None:
+        """Copy one expert's ``gate_proj`` (even ``shard_id``) or ``up_proj`` (odd) ``[I, H]``."""
+        self._check(tensor, (self.intermediate_size, self.hidden_size))
+        rows = slice((shard_id % 2) * self.intermediate_size, (shard_id % 2 + 1) * self.intermediate_size)
+        param.data[shard_id // 2, rows].copy_(tensor.load())
+
+    def _load_w2(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int) -> None:
+        """Copy one expert's ``down_proj`` ``[H, I]``."""
+        self._check(tensor, (self.hidden_size, self.intermediate_size))
+        param.data[shard_id].copy_(tensor.load())
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first)
+
+
 class DeepseekMoE(nn.Module):
     """Routed experts held by this rank plus its slice of the shared experts; one all-reduce.
 
@@ -94,34 +154,24 @@ class DeepseekMoE(nn.Module):
         shared_range: ``(start, size)`` of this rank's slice of the shared experts' intermediate dim
             (``moe_intermediate_size * n_shared_experts``).
 
-    Parameter names match the checkpoint: ``experts.{global_id}.gate_up_proj`` (packed from
-    ``gate_proj``/``up_proj``), ``experts.{global_id}.down_proj``, ``shared_experts.*``, ``gate.*``.
+    Modules match the checkpoint: ``gate.*`` (router), ``experts.*`` (:class:`FusedExperts`, read
+    from the per-expert ``experts.{id}.*_proj`` tensors), ``shared_experts.*``.
     Shapes: ``[T, hidden] -> [T, hidden]`` (all-reduced).
     """
 
     def __init__(self, config, expert_range: tuple[int, int], shared_range: tuple[int, int] | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.moe_intermediate_size
-        first, count = expert_range
         self.gate = TopkRouter(config)
-        self.experts = nn.ModuleDict({
-            str(e): GatedMLP(hidden, inter, (0, inter), reduce_output=False, dtype=dtype)
-            for e in range(first, first + count)})
+        self.experts = FusedExperts(config.hidden_size, config.moe_intermediate_size, expert_range, dtype)
         self.shared_experts = None
         if shared_range is not None:
-            self.shared_experts = GatedMLP(hidden, inter * config.n_shared_experts, shared_range,
-                                           reduce_output=False, dtype=dtype)
+            self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                           shared_range, reduce_output=False, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)
-        out = torch.zeros_like(hidden)
-        for name, expert in self.experts.items():
-            token_idx, slot_idx = torch.nonzero(expert_ids == int(name), as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            routed = expert(hidden[token_idx]) * weights[token_idx, slot_idx, None]
-            out.index_add_(0, token_idx, routed.to(out.dtype))
+        out = self.experts(hidden, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         group = get_tp_group()

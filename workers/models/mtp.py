@@ -188,7 +188,7 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
     total = 0
     for name, param in model.named_parameters():
         loader = getattr(param, "weight_loader", default_weight_loader)
-        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, names), ckpt):
+        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, names), ckpt, param):
             if ckpt_name not in names:
                 raise CheckpointError(f"{ckpt.path}: missing MTP tensor {ckpt_name!r}")
             loader(param, ckpt.get(ckpt_name), shard_id)
