@@ -17,6 +17,9 @@ import torch
 from kernels.dispatch import use_triton
 from kernels.paged_attention import token_seq_and_pos
 
+# Scores are computed in query-row chunks of at most this many [rows, H, S] float32 elements.
+_SCORE_ELEMENTS = 1 << 24
+
 
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None,
@@ -37,16 +40,30 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
         ``[T, max_seq_len]`` float32; column s is key position s of the token's own sequence,
         ``-inf`` where ``s`` is after the token's position.
     """
-    num_tokens = q.shape[0]
+    num_tokens, num_heads, _ = q.shape
     block_size = k_cache.shape[1]
     token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, num_tokens)
     capacity = block_tables.shape[1] * block_size
     width = min(max_seq_len or capacity, capacity)
     positions = torch.arange(width, device=q.device)
-    blocks = block_tables[:, positions // block_size].long()                       # [B, S]
-    keys = k_cache.view(-1, k_cache.shape[-1])[blocks * block_size + positions % block_size].float()  # [B, S, D]
-    scores = torch.relu(torch.einsum("thd,tsd->ths", q.float(), keys[token_seq]))   # [T, H, S]
-    logits = torch.einsum("th,ths->ts", weights.float(), scores)
+    num_blocks = -(-width // block_size)
+    keys = k_cache[block_tables[:, :num_blocks].long()]                            # [B, blocks, block_size, D]
+    keys = keys.view(keys.shape[0], num_blocks * block_size, -1)[:, :width].float()  # [B, S, D]
+    q, weights = q.float(), weights.float()
+    logits = q.new_empty(num_tokens, width)
+    rows = max(1, _SCORE_ELEMENTS // max(1, num_heads * width))    # bounds the [rows, H, S] intermediate
+    if query_start_loc is None:                                     # decode: token b is sequence b's query
+        for start in range(0, num_tokens, rows):
+            chunk = slice(start, start + rows)
+            scores = torch.relu(torch.einsum("bhd,bsd->bhs", q[chunk], keys[chunk]))
+            logits[chunk] = torch.einsum("bh,bhs->bs", weights[chunk], scores)
+    else:
+        bounds = query_start_loc.tolist()
+        for seq, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for start in range(first, end, rows):
+                chunk = slice(start, min(start + rows, end))
+                scores = torch.relu(torch.einsum("thd,sd->ths", q[chunk], keys[seq]))
+                logits[chunk] = torch.einsum("th,ths->ts", weights[chunk], scores)
     return logits.masked_fill(positions[None, :] > token_pos[:, None], float("-inf"))
 
 

@@ -1,10 +1,13 @@
 """Whole models on the Triton kernels (interpreted on CPU) give the torch path's greedy tokens:
-a tiny Llama written by transformers and a tiny DeepSeek-V3.2 checkpoint, a batch of two
-sequences (one prefilled in two chunks across a block boundary) then greedy decode."""
+a tiny Llama written by transformers and tiny DeepSeek-V3.2 and GLM-5 checkpoints, a batch of two
+sequences (one prefilled in two chunks across a block boundary) then greedy decode. Every Triton
+entry point the model should use is counted, so a model that silently falls back to torch fails."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,36 @@ def write_tiny_llama(path: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(str(path))
 
 
+# Triton entry points each architecture must call: (module in kernels/, function).
+COMMON = [("norm_triton", "rms_norm_triton"), ("rotary_triton", "apply_rotary_triton"),
+          ("activation_triton", "silu_and_mul_triton")]
+EXPECTED = {
+    "llama": COMMON + [("paged_attention_triton", "store_kv_triton"),
+                       ("paged_attention_triton", "paged_attention_triton")],
+    "deepseek_v32": COMMON + [("paged_attention_triton", "store_cache_triton"),
+                              ("mla_attention_triton", "mla_attention_triton"),
+                              ("indexer_triton", "indexer_scores_triton"),
+                              ("hadamard_triton", "hadamard_transform_triton"),
+                              ("fused_moe_triton", "fused_moe_triton")],
+}
+EXPECTED["glm_moe_dsa"] = EXPECTED["deepseek_v32"]
+
+
+def count_calls(monkeypatch, entry_points) -> Counter:
+    """Wrap each ``kernels.<module>.<function>`` so that its calls are counted by name."""
+    calls: Counter = Counter()
+    for module_name, name in entry_points:
+        module = importlib.import_module(f"kernels.{module_name}")
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def greedy_run(path: Path, steps: int = 4) -> tuple[dict, torch.Tensor]:
     runner = make_runner(path, block_size=16, num_blocks=16)
     driver = PlanDriver(runner, seed=1)
@@ -34,7 +67,7 @@ def greedy_run(path: Path, steps: int = 4) -> tuple[dict, torch.Tensor]:
     return tokens, torch.cat([logits["a"], logits["b"]])
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v32", "glm_moe_dsa"])
 def test_triton_kernels_give_the_torch_tokens(arch, tmp_path, monkeypatch):
     if arch == "llama":
         write_tiny_llama(tmp_path)
@@ -42,7 +75,9 @@ def test_triton_kernels_give_the_torch_tokens(arch, tmp_path, monkeypatch):
         write_tiny_checkpoint(arch, tmp_path, seed=0)
     monkeypatch.setenv("SHARDSERVE_KERNELS", "torch")
     torch_tokens, torch_logits = greedy_run(tmp_path)
+    calls = count_calls(monkeypatch, EXPECTED[arch])
     monkeypatch.setenv("SHARDSERVE_KERNELS", "triton")
     triton_tokens, triton_logits = greedy_run(tmp_path)
+    assert not [name for _, name in EXPECTED[arch] if calls[name] == 0], calls
     assert triton_tokens == torch_tokens
     torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ import torch
 
 from plan_driver import PlanDriver, hf_logits, make_runner
 from tiny_checkpoints import ARCHS
+from workers.models.dsa_indexer import selection_mask
 
 TOL = 1e-4
 DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")
@@ -99,9 +100,8 @@ def _record_topk(runner) -> list:
 
 
 def _selection(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``[Q, k]`` positions (row q sees keys <= q) -> ``[Q, num_keys]`` causal bool selection."""
-    rows = torch.zeros(topk.shape[0], num_keys, dtype=torch.bool).scatter_(-1, topk.long(), True)
-    return rows & torch.ones(num_keys, num_keys, dtype=torch.bool).tril()[: topk.shape[0]]
+    """``[Q, k]`` positions (row q sees keys <= q; ``-1`` = none) -> ``[Q, num_keys]`` causal bool selection."""
+    return selection_mask(topk, num_keys) & torch.ones(num_keys, num_keys, dtype=torch.bool).tril()[: topk.shape[0]]
 
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
@@ -128,7 +128,7 @@ def test_indexer_topk_matches_transformers(tiny_model, arch):
             assert layer.shares_topk and layer.last_topk is last_full
             continue
         last_full = layer.last_topk
-        ours = _selection(layer.last_topk[0], len(prompt))
+        ours = _selection(layer.last_topk, len(prompt))
         theirs = _selection(hf_topk[idx], len(prompt))
         assert torch.equal(ours, theirs), f"layer {idx}: rows {(ours != theirs).any(-1).nonzero().flatten().tolist()}"
     if arch == "glm_moe_dsa":

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from workers.forward_context import AttentionMetadata
-from workers.models.dsa_indexer import hadamard_transform, selection_mask, topk_selection
+from kernels import indexer_topk
+from workers.models.dsa_indexer import hadamard_transform, selection_mask
 from workers.models.mla import mla_softmax_scale
 from workers.models.paged_batch import PagedBatch
 
@@ -57,16 +58,24 @@ def test_paged_batch_layout():
 
 
 def test_topk_never_selects_another_sequence_or_a_future_key():
-    """Huge scores on positions a query must not see (future, padding) are never selected, and
-    a query with at most k visible keys keeps all of them."""
-    batch, _ = _two_sequences()
-    scores = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0))
-    scores[0, :, 5] = 1e9            # sequence 0's padding column (slot 0 belongs to sequence 1)
-    scores[:, :, 4:] += 1e6          # future keys for the early queries
-    picked = selection_mask(topk_selection(scores, batch.causal, top_k=3), 6) & batch.causal
+    """Keys that would win by far but that a query must not see (another sequence's blocks, its
+    own future positions, slots past its length) are never selected; a query with fewer than k
+    visible keys keeps all of them and pads with -1."""
+    batch, meta = _two_sequences()
+    gen = torch.Generator().manual_seed(0)
+    k_cache = 0.01 * torch.randn(6, 4, 8, generator=gen)
+    k_cache[1, 1:] = 100.0                         # sequence 0's slots past its length (positions 5..7)
+    k_cache[0] = k_cache[3] = 50.0                 # sequence 1's blocks
+    k_cache[3, 1] = 1000.0                         # sequence 1's position 5: the future for its early queries
+    q = torch.ones(8, 2, 8)
+    weights = torch.ones(8, 2)
+    topk = indexer_topk(q, weights, k_cache, meta.block_tables, meta.seq_lens, 3, meta.query_start_loc,
+                        meta.max_seq_len)                                       # [8, 3]
+    picked = batch.pad(selection_mask(topk, 6))                                 # [B, Q, S]
     assert not (picked & ~batch.causal).any()
     assert picked.sum(-1)[batch.seq_of_token, batch.row_of_token].tolist() == [3, 3, 1, 2, 3, 3, 3, 3]
-    assert picked[1, 0].tolist() == [True, False, False, False, False, False]
+    assert topk[2].tolist() == [0, -1, -1]          # sequence 1's first query: only itself
+    assert topk[7, 0].item() == 5                   # its last query does see position 5
 
 
 def test_softmax_scale_yarn_mscale():

@@ -22,35 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import apply_rotary
+from kernels import apply_rotary, indexer_topk, store_cache
 from kernels.hadamard import hadamard_transform
+from workers.forward_context import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear
-from workers.models.paged_batch import PagedBatch, store_rows
 
-# Query rows scored at once: bounds the [B, rows, H_idx, S] float32 intermediate.
-_SCORE_CHUNK = 256
-
-
-def topk_selection(index_scores: torch.Tensor, causal: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k key positions of every query over its own causal keys.
-
-    Args:
-        index_scores: ``[B, Q, S]`` float32 scores of each query row against its sequence's keys.
-        causal: ``[B, Q, S]`` bool, which keys each query may see.
-        top_k: keys to keep per query.
-
-    Returns:
-        ``[B, Q, min(top_k, S)]`` int64 positions. A query with fewer than ``top_k`` visible keys
-        also gets masked positions; callers AND the result with ``causal``.
-    """
-    scores = index_scores.masked_fill(~causal, float("-inf"))
-    return scores.topk(min(top_k, scores.shape[-1]), dim=-1).indices
-
-
-def selection_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``[B, Q, k]`` positions -> ``[B, Q, num_keys]`` bool (True = selected)."""
-    mask = torch.zeros(*topk_indices.shape[:2], num_keys, dtype=torch.bool, device=topk_indices.device)
-    return mask.scatter_(-1, topk_indices, True)
+def selection_mask(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[T, k]`` int positions (``-1`` = padding) -> ``[T, num_keys]`` bool (True = selected)."""
+    index = torch.where(topk >= 0, topk.long(), num_keys)                  # padding -> a dropped column
+    mask = torch.zeros(topk.shape[0], num_keys + 1, dtype=torch.bool, device=topk.device)
+    return mask.scatter_(-1, index, True)[:, :num_keys]
 
 
 class DSAIndexer(nn.Module):
@@ -92,20 +73,24 @@ class DSAIndexer(nn.Module):
         return torch.cat((apply_rotary(rot, cos, sin, self.rope_interleaved), rest), dim=-1)
 
     def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slot_mapping: torch.Tensor, batch: PagedBatch, top_k: int) -> torch.Tensor | None:
-        """Cache this step's indexer keys and select each query's top-k keys.
+                meta: AttentionMetadata, top_k: int) -> torch.Tensor | None:
+        """Cache this step's indexer keys and select each query token's top-k keys.
+
+        Scoring and selection run in :func:`kernels.indexer_topk` (Triton on GPU) over the paged
+        indexer cache; ``n_heads^-0.5`` and the softmax scale ``D_idx^-0.5`` are folded into the
+        weights (both positive, so ``w * relu(s * q.k) == (w * s) * relu(q.k)``).
 
         Args:
             hidden: ``[T, hidden_size]`` normed layer input.
             q_latent: ``[T, q_lora_rank]`` the MLA query latent (after ``q_a_layernorm``).
             cos, sin: ``[T, qk_rope_head_dim // 2]`` RoPE angles of the tokens' positions.
-            slot_mapping: ``[T]`` cache slots of this step's tokens.
-            batch: per-sequence layout of the step.
+            meta: the step's attention metadata (slot mapping, block tables, sequence lengths).
             top_k: keys kept per query.
 
         Returns:
-            ``[B, Q, min(top_k, S)]`` int64 selected positions, or None when every sequence has at
-            most ``top_k`` keys (the indexer is then an exact no-op: every key is kept).
+            ``[T, top_k]`` int32 positions within each token's own sequence, best first, ``-1``
+            where a token sees fewer than ``top_k`` keys; or None when every sequence has at most
+            ``top_k`` keys (the indexer is then an exact no-op: every key is kept).
         """
         num_tokens = hidden.shape[0]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
@@ -114,16 +99,9 @@ class DSAIndexer(nn.Module):
         k = self._rope(k[:, None, :], cos, sin)[:, 0]
         if self.hadamard:
             q, k = hadamard_transform(q), hadamard_transform(k)
-        store_rows(self.k_cache, k, slot_mapping)
-        if batch.max_seq_len <= top_k:
+        store_cache(k, self.k_cache, meta.slot_mapping)
+        if meta.max_seq_len <= top_k:
             return None
-        keys = batch.gather(self.k_cache).float()                                     # [B, S, D_idx]
-        weights = self.weights_proj(hidden.float()) * self.num_heads ** -0.5           # [T, H_idx]
-        q_pad, w_pad = batch.pad(q.float()), batch.pad(weights)       # [B, Q, H_idx, D_idx], [B, Q, H_idx]
-        scale = self.head_dim ** -0.5
-        index_scores = keys.new_empty(batch.batch_size, batch.max_query_len, batch.max_seq_len)
-        for start in range(0, batch.max_query_len, _SCORE_CHUNK):
-            rows = slice(start, start + _SCORE_CHUNK)
-            per_head = F.relu(torch.einsum("bqhd,bsd->bqhs", q_pad[:, rows], keys) * scale)
-            index_scores[:, rows] = torch.einsum("bqh,bqhs->bqs", w_pad[:, rows], per_head)
-        return topk_selection(index_scores, batch.causal, top_k)
+        weights = self.weights_proj(hidden.float()) * (self.num_heads ** -0.5 * self.head_dim ** -0.5)   # [T, H_idx]
+        return indexer_topk(q, weights, self.k_cache, meta.block_tables, meta.seq_lens, top_k,
+                            meta.query_start_loc, meta.max_seq_len)

@@ -24,14 +24,14 @@ import math
 import torch
 from torch import nn
 
-from kernels import apply_rotary
+from kernels import apply_rotary, store_cache
 from kernels.mla_attention import mla_attention
 from workers.forward_context import get_attention_metadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.dsa_indexer import DSAIndexer, selection_mask
-from workers.models.paged_batch import PagedBatch, store_rows
+from workers.models.paged_batch import PagedBatch
 
 
 def mla_softmax_scale(config) -> float:
@@ -63,7 +63,8 @@ class MLAAttention(nn.Module):
         shares_topk: use the selection of the most recent layer with an indexer (GLM IndexShare).
 
     ``forward(positions [T], hidden [T, hidden], batch, prev_topk, top_k) -> ([T, hidden], topk)``
-    where ``topk`` is ``[B, Q, k]`` int64 selected positions or None (= all keys).
+    where ``topk`` is ``[T, k]`` int32 selected positions (``-1`` padded, see
+    :meth:`DSAIndexer.forward`) or None (= all keys).
     ``kv_cache`` is set by the runner: ``(latent_cache[, indexer_cache])``.
     """
 
@@ -135,15 +136,15 @@ class MLAAttention(nn.Module):
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
         q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)
         k_pe = apply_rotary(k_pe[:, None, :], cos, sin, self.rope_interleaved)[:, 0]
-        store_rows(self.latent_cache, torch.cat((c, k_pe), dim=-1), meta.slot_mapping)
+        store_cache(torch.cat((c, k_pe), dim=-1), self.latent_cache, meta.slot_mapping)
 
         topk = prev_topk if self.shares_topk else None
         if self.indexer is not None and top_k is not None:
-            topk = self.indexer(hidden, q_latent, cos, sin, meta.slot_mapping, batch, top_k)
+            topk = self.indexer(hidden, q_latent, cos, sin, meta, top_k)
         if self.record_topk:
             self.last_topk = topk
         if batch.max_query_len == 1:
-            out = self._decode(q_nope, q_pe, meta, None if topk is None else topk[:, 0])
+            out = self._decode(q_nope, q_pe, meta, topk)
         else:
             out = batch.unpad(self._prefill(batch, batch.pad(q_nope), batch.pad(q_pe), topk))   # [T, H_local, v]
         return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
@@ -153,7 +154,7 @@ class MLAAttention(nn.Module):
         if topk is None:
             allowed = batch.causal.clone()
         else:
-            allowed = batch.causal & selection_mask(topk, batch.max_seq_len)
+            allowed = batch.causal & batch.pad(selection_mask(topk, batch.max_seq_len))
         allowed[:, :, 0] |= ~allowed.any(-1)          # padded query rows: one key instead of none (dropped later)
         latent = batch.gather(self.latent_cache)      # [B, S, kv_lora + rope]
         c_ctx, k_pe_ctx = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)

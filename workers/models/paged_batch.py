@@ -68,7 +68,3 @@ class PagedBatch:
         (rows at invalid positions are slot 0's content; mask them with :attr:`causal`)."""
         return cache.view(-1, cache.shape[-1])[self.slots]
 
-
-def store_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``rows [T, D]`` into ``cache [num_blocks, block_size, D]`` at ``slot_mapping [T]``, in place."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
