@@ -175,6 +175,15 @@ def indexer_moe_cases(dtype, small: bool) -> list[Case]:
                       lambda: indexer_scores_triton(q, w, kc, table, lens, max_seq_len=ctx),
                       lambda: indexer_scores_ref(q, w, kc, table, lens, max_seq_len=ctx),
                       work=batch * ctx * dim * dtype.itemsize + batch * ctx * 4))
+    # Prefill chunk: q_len new tokens at the end of each context, causal within the chunk.
+    q_len = 5 if small else 256
+    starts = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32) * q_len
+    qp = torch.randn(batch * q_len, heads, dim, dtype=dtype, device=DEVICE)
+    wp = torch.randn(batch * q_len, heads, device=DEVICE) * heads ** -0.5
+    cases.append(Case(f"indexer prefill B{batch} q{q_len} ctx{ctx} H{heads} D{dim}", dtype,
+                      lambda: indexer_scores_triton(qp, wp, kc, table, lens, starts, max_seq_len=ctx),
+                      lambda: indexer_scores_ref(qp, wp, kc, table, lens, starts, max_seq_len=ctx),
+                      "TFLOP/s", 2 * batch * q_len * ctx * heads * dim))
     tokens, experts, hidden, inter, top_k = (9, 4, 96, 80, 2) if small else (2048, 64, 2048, 1024, 8)
     for num_tokens in sorted({tokens, 4}):
         x = torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE)
