@@ -3,7 +3,9 @@ checkpoint written by transformers (index_topk 512), on CPU.
 
 For each context (1k, 4k, 16k tokens) one sequence is prefilled in chunks, then ``--steps``
 decode steps are timed. With DSA each query attends to at most 512 keys, so the attention part
-stays flat while the indexer scan grows slowly; dense attention grows with the context.
+stays flat while the indexer scan grows slowly; dense attention grows with the context. A third
+run keeps the indexer keys in the fp8 cache format (``--indexer-cache-dtype fp8``); the cache
+bytes per token of each variant are printed first.
 Run with ``make bench``; not a test.
 """
 
@@ -22,9 +24,12 @@ from plan_driver import PlanDriver, make_runner  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
-def decode_ms(path: Path, context: int, steps: int, dsa: bool, chunk: int = 512) -> float:
-    block_size = 64
-    runner = make_runner(path, block_size=block_size, num_blocks=context // block_size + 8, dsa=dsa)
+BLOCK_SIZE = 64
+VARIANTS = {"DSA on": {}, "DSA fp8 cache": {"indexer_cache_dtype": "fp8"}, "dense": {"dsa": False}}
+
+
+def decode_ms(path: Path, context: int, steps: int, chunk: int = 512, **switches) -> float:
+    runner = make_runner(path, block_size=BLOCK_SIZE, num_blocks=context // BLOCK_SIZE + 8, **switches)
     driver = PlanDriver(runner)
     prompt = torch.randint(2, 120, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     for start in range(0, context, chunk):
@@ -51,10 +56,16 @@ def main() -> None:
                               index_head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         print(f"DeepSeek-V3.2 shape (32 heads, kv_lora 256, 4x64 indexer), 2 layers, index_topk 512, "
               f"torch threads {torch.get_num_threads()}")
-        print(f"{'context':>8} | {'DSA on ms/step':>14} | {'dense ms/step':>13} | {'dense / DSA':>11}")
+        for name, switches in VARIANTS.items():
+            per_token = make_runner(Path(tmp), block_size=BLOCK_SIZE, num_blocks=1, **switches).bytes_per_block
+            print(f"{name:>14}: {per_token // BLOCK_SIZE} cache bytes per token (float32 latent)")
+        print(f"{'context':>8} | " + " | ".join(f"{name + ' ms':>16}" for name in VARIANTS)
+              + f" | {'dense / DSA':>11} | {'dense / fp8':>11}")
         for context in contexts:
-            on, off = decode_ms(Path(tmp), context, args.steps, True), decode_ms(Path(tmp), context, args.steps, False)
-            print(f"{context:>8} | {on:>14.2f} | {off:>13.2f} | {off / on:>10.2f}x", flush=True)
+            ms = {name: decode_ms(Path(tmp), context, args.steps, **switches) for name, switches in VARIANTS.items()}
+            print(f"{context:>8} | " + " | ".join(f"{value:>16.2f}" for value in ms.values())
+                  + f" | {ms['dense'] / ms['DSA on']:>10.2f}x | {ms['dense'] / ms['DSA fp8 cache']:>10.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def attention_cases(dtype, small: bool) -> list[Case]:
 def indexer_moe_cases(dtype, small: bool) -> list[Case]:
     from kernels.fused_moe import fused_moe_ref
     from kernels.fused_moe_triton import fused_moe_triton
-    from kernels.indexer import indexer_scores_ref
+    from kernels.indexer import indexer_scores_ref, quantize_index_keys
     from kernels.indexer_triton import indexer_scores_triton
 
     cases = []
@@ -175,6 +175,11 @@ def indexer_moe_cases(dtype, small: bool) -> list[Case]:
                       lambda: indexer_scores_triton(q, w, kc, table, lens, max_seq_len=ctx),
                       lambda: indexer_scores_ref(q, w, kc, table, lens, max_seq_len=ctx),
                       work=batch * ctx * dim * dtype.itemsize + batch * ctx * 4))
+    kc8 = quantize_index_keys(kc.reshape(-1, dim)).view(*kc.shape[:2], -1)        # packed fp8 rows
+    cases.append(Case(f"indexer fp8-cache decode B{batch} ctx{ctx} H{heads} D{dim}", dtype,
+                      lambda: indexer_scores_triton(q, w, kc8, table, lens, max_seq_len=ctx),
+                      lambda: indexer_scores_ref(q, w, kc8, table, lens, max_seq_len=ctx),
+                      work=batch * ctx * kc8.shape[-1] + batch * ctx * 4))
     # Prefill chunk: q_len new tokens at the end of each context, causal within the chunk.
     q_len = 5 if small else 256
     starts = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32) * q_len

@@ -24,6 +24,8 @@ class EngineArgs:
         dsa: DSA sparse attention on/off for DeepSeek-V3.2 / GLM-5 (None = on when the checkpoint
             has an indexer; off = dense MLA).
         dsa_top_k: keys each query attends to under DSA (None = the checkpoint's ``index_topk``).
+        indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
+            (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
     """
 
@@ -40,6 +42,7 @@ class EngineArgs:
     tensor_split: list[float] | None = None
     dsa: bool | None = None
     dsa_top_k: int | None = None
+    indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
 
     def validate(self) -> None:
@@ -52,6 +55,8 @@ class EngineArgs:
             raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")
         if self.dsa_top_k is not None and self.dsa_top_k < 1:
             raise ValueError(f"--dsa-top-k must be >= 1, got {self.dsa_top_k}")
+        if self.indexer_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
 
@@ -61,4 +66,5 @@ class EngineArgs:
             hf_config.shardserve_dsa = self.dsa
         if self.dsa_top_k is not None:
             hf_config.shardserve_dsa_top_k = self.dsa_top_k
+        hf_config.shardserve_indexer_cache_dtype = self.indexer_cache_dtype
         return hf_config

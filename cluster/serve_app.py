@@ -58,8 +58,8 @@ class ServeArgs:
         grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
-        max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, speculative_tokens: engine
-            settings (see EngineArgs).
+        max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
+            speculative_tokens: engine settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -85,6 +85,7 @@ class ServeArgs:
     seed: int = 0
     dsa: bool | None = None
     dsa_top_k: int | None = None
+    indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
 
     @classmethod
@@ -122,7 +123,8 @@ class ServeArgs:
                           max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
-                          dsa=self.dsa, dsa_top_k=self.dsa_top_k, speculative_tokens=self.speculative_tokens)
+                          dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
+                          speculative_tokens=self.speculative_tokens)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,

@@ -2,7 +2,9 @@
 
 One program per (query token, tile of BLOCK_N key positions): the key tile is read once and
 scored against every head (head tiles of up to 64 rows), ReLU'd, weighted and summed over heads
-in registers. Top-k stays in torch (:func:`kernels.indexer.select_topk`).
+in registers. Top-k stays in torch (:func:`kernels.indexer.select_topk`). Packed fp8 keys
+(:func:`kernels.indexer.quantize_index_keys`) are dequantized on load: fp8 values times their
+group's float32 scale.
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.indexer import FP8_GROUP, fp8_row_bytes
 from kernels.triton_utils import check_launchable, interpreting, mma, pow2, token_metadata
 
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, w_ptr, k_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, scale_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr, out_ptr,
     num_heads, D, width,
-    stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_bt, stride_ot,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_sb, stride_ss, stride_bt, stride_ot,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUP: tl.constexpr, UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -32,6 +35,10 @@ def _indexer_scores_kernel(
     blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     k = tl.load(k_ptr + blk[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_ks + offs_d[None, :],
                 mask=valid[:, None] & d_mask[None, :], other=0.0)               # [BLOCK_N, BLOCK_D]
+    if FP8:   # scale_ptr: the cache viewed as float32, offset to the scales after the D fp8 bytes
+        scale = tl.load(scale_ptr + blk[:, None] * stride_sb + (offs_n % BLOCK_SIZE)[:, None] * stride_ss
+                        + (offs_d // FP8_GROUP)[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        k = k.to(tl.float32) * scale
     logits = tl.zeros([BLOCK_N], tl.float32)
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
@@ -53,7 +60,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     Args:
         q: ``[T, H, index_head_dim]`` (last dim contiguous).
         weights: ``[T, H]``.
-        k_cache: ``[num_blocks, block_size, index_head_dim]``, cast to ``q.dtype`` on load.
+        k_cache: ``[num_blocks, block_size, index_head_dim]``, cast to ``q.dtype`` on load; or
+            uint8 ``[num_blocks, block_size, fp8_row_bytes(index_head_dim)]`` packed fp8 keys.
         block_tables, seq_lens, query_start_loc, max_seq_len: see the reference.
 
     Returns:
@@ -62,7 +70,9 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     check_launchable(q, weights, k_cache, block_tables, seq_lens)
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
-    assert k_cache.shape[-1] == head_dim, f"k_cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
+    fp8 = k_cache.dtype == torch.uint8
+    assert k_cache.shape[-1] == (fp8_row_bytes(head_dim) if fp8 else head_dim), \
+        f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} vs q {tuple(q.shape)}"
     assert weights.shape == (num_tokens, num_heads), f"weights {tuple(weights.shape)} vs q {tuple(q.shape)}"
     assert k_cache.stride(-1) == 1, f"k_cache strides {k_cache.stride()}: the head dim must be contiguous"
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -73,12 +83,16 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     if num_tokens == 0 or width == 0:
         return out
     token_seq, token_pos = token_metadata(query_start_loc, seq_lens, num_tokens)
+    keys, scales = k_cache, k_cache
+    if fp8:
+        keys = k_cache.view(torch.float8_e4m3fn)
+        scales = k_cache.view(torch.float32)[..., head_dim // 4:]
     block_n = 64
     _indexer_scores_kernel[(num_tokens, triton.cdiv(width, block_n))](
-        q, weights, k_cache, block_tables, token_seq, token_pos, out,
+        q, weights, keys, scales, block_tables, token_seq, token_pos, out,
         num_heads, head_dim, width,
-        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0), out.stride(0),
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
+        scales.stride(0), scales.stride(1), block_tables.stride(0), out.stride(0),
         BLOCK_SIZE=block_size, BLOCK_H=min(pow2(num_heads, 16), 64), BLOCK_N=block_n,
-        BLOCK_D=pow2(head_dim, 16), UPCAST=interpreting(), num_warps=4)
+        BLOCK_D=pow2(head_dim, 16), FP8=fp8, FP8_GROUP=FP8_GROUP, UPCAST=interpreting(), num_warps=4)
     return out

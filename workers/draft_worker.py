@@ -25,7 +25,7 @@ import torch
 from workers.checkpoint import open_checkpoint
 from workers.forward_context import AttentionMetadata, forward_context
 from workers.messages import DraftBatch, DraftProposal, DraftResult
-from workers.model_runner import RequestState, apply_request_diffs
+from workers.model_runner import RequestState, allocate_caches, apply_request_diffs
 from workers.model_source import ModelFiles
 from workers.models.mtp import build_mtp_model
 from workers.sampler import draft_sample
@@ -84,11 +84,7 @@ class DraftWorker:
         self.model, weight_bytes = build_mtp_model(hf_config, open_checkpoint(files.path), dtype)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.generator.manual_seed(seed + 1)
-        cache_bytes = 0
-        for layer in self.model.attention_layers():
-            shapes = self.model.kv_cache_shape(num_blocks, block_size)
-            layer.kv_cache = tuple(torch.zeros(s, dtype=dtype) for s in shapes)
-            cache_bytes += sum(t.numel() * t.element_size() for t in layer.kv_cache)
+        cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, block_size)
         logger.info("draft (MTP): weights %.1f MiB, caches %.1f MiB in %d blocks", weight_bytes / 2**20,
                     cache_bytes / 2**20, num_blocks)
         return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid()}

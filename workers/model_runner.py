@@ -8,6 +8,7 @@ Features live in helpers: the sampler, the cache allocator, the model classes.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,20 @@ class RunnerConfig:
     tensor_split: list[float] | None = None
     dtype: torch.dtype = torch.float32
     seed: int = 0                        # seed of the generator for unseeded requests
+
+
+def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
+    """Bytes the caches of ``layers`` (attention modules with ``cache_spec``) take for ``num_blocks``."""
+    return sum(math.prod(shape) * dtype.itemsize for layer in layers
+               for shape, dtype in layer.cache_spec(num_blocks, block_size))
+
+
+def allocate_caches(layers, num_blocks: int, block_size: int) -> int:
+    """Give every layer zero-filled cache tensors as its ``cache_spec`` asks; returns their bytes."""
+    for layer in layers:
+        layer.kv_cache = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in layer.cache_spec(num_blocks,
+                                                                                                    block_size))
+    return cache_bytes(layers, num_blocks, block_size)
 
 
 @dataclass(slots=True)
@@ -84,9 +99,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV cache bytes one block takes on this rank, over all layers."""
-        shapes = self.model.kv_cache_shape(1, self.block_size)
-        itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
-        return len(self.model.attention_layers()) * sum(torch.Size(s).numel() for s in shapes) * itemsize
+        return cache_bytes(self.model.attention_layers(), 1, self.block_size)
 
     def max_num_blocks(self) -> int:
         """Blocks that fit this rank's budget (``num_blocks`` when set, else ``kv_cache_bytes``)."""
@@ -96,10 +109,7 @@ class ModelRunner:
         """Allocate ``num_blocks`` blocks in every layer's cache tensors (every rank gets the same
         count: the smallest any rank can hold), zero-filled."""
         self.num_blocks = num_blocks
-        self.cache_bytes = num_blocks * self.bytes_per_block
-        for layer in self.model.attention_layers():
-            layer.kv_cache = tuple(torch.zeros(s, dtype=self.config.dtype)
-                                   for s in self.model.kv_cache_shape(num_blocks, self.block_size))
+        self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, self.block_size)
         logger.info("rank %d: weights %.1f MiB, KV cache %.1f MiB in %d blocks of %d tokens",
                     get_tp_group().tp_rank, self.weight_bytes / 2**20, self.cache_bytes / 2**20,
                     self.num_blocks, self.block_size)

@@ -68,10 +68,13 @@ def test_cli_generate_on_a_checkpoint_folder(checkpoint):
     arch, folder = checkpoint
     exe = Path(sys.executable).parent / "shardserve"
     proc = subprocess.run([str(exe), "generate", "--model", str(folder), "--prompt", PROMPT, "--max-tokens",
-                           str(NUM_TOKENS), "--temperature", "0", "--dsa-top-k", "4", "--kv-cache-gib", "0.01"],
+                           str(NUM_TOKENS), "--temperature", "0", "--dsa-top-k", "4", "--indexer-cache-dtype", "fp8",
+                           "--kv-cache-gib", "0.01"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    llm = LLM(EngineArgs(model=str(folder), kv_cache_gib=0.01, dsa_top_k=4), progress=False)
+    llm = LLM(EngineArgs(model=str(folder), kv_cache_gib=0.01, dsa_top_k=4, indexer_cache_dtype="fp8"), progress=False)
+    indexers = [layer.indexer for layer in llm.runner.model.attention_layers() if layer.indexer is not None]
+    assert indexers and all(indexer.k_cache.dtype == torch.uint8 for indexer in indexers)
     (done,) = llm.generate([PROMPT], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0))
     assert proc.stdout == done.text + "\n"
 

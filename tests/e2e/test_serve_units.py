@@ -138,6 +138,9 @@ def test_app_arguments():
         ServeArgs.from_dict({"tensor_parallel": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServeArgs.from_dict({"tensor_parallel_size": 0})
+    assert ServeArgs.from_dict({"indexer_cache_dtype": "fp8"}).engine_args().indexer_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="indexer-cache-dtype"):
+        ServeArgs.from_dict({"indexer_cache_dtype": "fp4"})
     with pytest.raises(FileNotFoundError, match="not a known model name"):
         build_app({"model": "/no/such/model.gguf"})
 

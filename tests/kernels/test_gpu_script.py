@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode",
-       "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer prefill",
+       "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer fp8-cache decode", "indexer prefill",
        "fused_moe"]
 
 

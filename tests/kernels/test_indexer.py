@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of
-from kernels.indexer import indexer_scores_ref, indexer_topk, select_topk
+from kernels.indexer import (dequantize_index_keys, fp8_row_bytes, indexer_scores_ref, indexer_topk,
+                             quantize_index_keys, select_topk)
 from kernels.paged_attention import store_cache_ref
 
 # (block_size, seq_lens, query_lens or None for decode, num_heads, head_dim)
@@ -93,4 +96,82 @@ def test_indexer_reference_matches_per_token_loop():
                 dots = q[t].double() @ keys[b][s].double()                        # [H]
                 naive[s] = (weights[t].double() * dots.clamp(min=0)).sum()
             torch.testing.assert_close(logits[t].double(), naive, atol=1e-5, rtol=1e-5)
+            t += 1
+
+
+# ---- fp8 key cache (DeepSeek-V3.2 format: e4m3 values + a power-of-two float32 scale per 128 dims)
+
+def _fp8_oracle(row: torch.Tensor) -> torch.Tensor:
+    """One key row quantized and dequantized group by group with plain Python scalars (ue8m0 scale:
+    the smallest power of two with amax / scale <= 448)."""
+    out = torch.empty(row.shape[0], dtype=torch.float32)
+    for start in range(0, row.shape[0], 128):
+        group = row[start:start + 128].float()
+        amax = max(float(group.abs().max()), 1e-30)
+        scale = 2.0 ** math.ceil(math.log2(amax / 448.0))
+        out[start:start + 128] = (group / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 200])
+def test_fp8_key_rows_match_per_group_quantization(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    keys = torch.randn(6, head_dim, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 0.0])[:, None]
+    keys[3, :5] = 1e4                                          # one outlier sets its group's scale
+    rows = quantize_index_keys(keys)
+    assert rows.dtype == torch.uint8 and rows.shape == (6, fp8_row_bytes(head_dim))
+    assert fp8_row_bytes(128) == 132                           # DeepSeek-V3.2: 128 fp8 bytes + 1 scale
+    decoded = dequantize_index_keys(rows, head_dim)
+    expected = torch.stack([_fp8_oracle(row) for row in keys])
+    assert torch.equal(decoded, expected)
+    # e4m3 rounding: 2^-4 relative for normals, half the smallest subnormal step otherwise.
+    scale = rows[:, head_dim:].contiguous().view(torch.float32).repeat_interleave(128, -1)[:, :head_dim]
+    assert ((decoded - keys).abs() <= keys.abs() * 2.0 ** -4 + scale * 2.0 ** -10).all()
+
+
+def test_fp8_rows_need_float32_aligned_scales():
+    with pytest.raises(ValueError, match="% 4"):
+        fp8_row_bytes(30)
+
+
+def build_fp8(block_size, seq_lens, query_lens, num_heads, head_dim, dtype):
+    """:func:`build` with the keys stored as packed fp8 rows (the float keys are returned too)."""
+    q, weights, _, block_tables, lens, qsl, keys = build(block_size, seq_lens, query_lens, num_heads, head_dim,
+                                                         torch.float32)
+    num_blocks = int(block_tables.max()) + 1
+    k_cache = torch.zeros(num_blocks, block_size, fp8_row_bytes(head_dim), dtype=torch.uint8)
+    for b, length in enumerate(seq_lens):
+        store_cache_ref(quantize_index_keys(keys[b]), k_cache, slots_of(block_tables, b, torch.arange(length),
+                                                                         block_size))
+    return q.to(dtype), weights, k_cache, block_tables, lens, qsl, keys
+
+
+@pytest.mark.parametrize("block_size,seq_lens,query_lens,num_heads,head_dim,dtype", list(params()))
+def test_fp8_indexer_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, head_dim, dtype):
+    from kernels.indexer_triton import indexer_scores_triton
+
+    q, weights, k_cache, block_tables, lens, qsl, _ = build_fp8(block_size, seq_lens, query_lens, num_heads,
+                                                                 head_dim, dtype)
+    expected = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens))
+    actual = indexer_scores_triton(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens))
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "causal -inf pattern differs"
+    finite = torch.isfinite(expected)
+    # bf16: the kernel multiplies dequantized keys rounded to bf16 (the tensor-core operand dtype).
+    assert_close(actual[finite], expected[finite], dtype, scale=5.0)
+
+
+def test_fp8_indexer_reference_scores_the_dequantized_keys():
+    """Scores over the packed fp8 cache == the per-token loop over the oracle's dequantized keys."""
+    seq_lens, query_lens = [18, 33], [3, 4]
+    q, weights, k_cache, block_tables, lens, qsl, keys = build_fp8(16, seq_lens, query_lens, 3, 32, torch.float32)
+    logits = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, 33)
+    t = 0
+    for b, (length, qlen) in enumerate(zip(seq_lens, query_lens)):
+        dequantized = torch.stack([_fp8_oracle(row) for row in keys[b]]).double()
+        for i in range(qlen):
+            pos = length - qlen + i
+            dots = q[t].double() @ dequantized[:pos + 1].T                        # [H, pos + 1]
+            naive = (weights[t].double()[:, None] * dots.clamp(min=0)).sum(0)
+            torch.testing.assert_close(logits[t, :pos + 1].double(), naive, atol=1e-5, rtol=1e-5)
+            assert torch.isinf(logits[t, pos + 1:]).all()
             t += 1

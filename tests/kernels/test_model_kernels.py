@@ -57,8 +57,8 @@ def count_calls(monkeypatch, entry_points) -> Counter:
     return calls
 
 
-def greedy_run(path: Path, steps: int = 4) -> tuple[dict, torch.Tensor]:
-    runner = make_runner(path, block_size=16, num_blocks=16)
+def greedy_run(path: Path, steps: int = 4, **switches) -> tuple[dict, torch.Tensor]:
+    runner = make_runner(path, block_size=16, num_blocks=16, **switches)
     driver = PlanDriver(runner, seed=1)
     long_prompt = list(range(3, 20))                     # 17 tokens: one past a block boundary
     first = driver.step({"a": long_prompt[:9], "b": [5, 7, 9]})
@@ -67,17 +67,19 @@ def greedy_run(path: Path, steps: int = 4) -> tuple[dict, torch.Tensor]:
     return tokens, torch.cat([logits["a"], logits["b"]])
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v32", "glm_moe_dsa"])
-def test_triton_kernels_give_the_torch_tokens(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,switches", [("llama", {}), ("deepseek_v32", {}), ("glm_moe_dsa", {}),
+                                           ("deepseek_v32", {"indexer_cache_dtype": "fp8"})],
+                         ids=["llama", "deepseek_v32", "glm_moe_dsa", "deepseek_v32-fp8-indexer-cache"])
+def test_triton_kernels_give_the_torch_tokens(arch, switches, tmp_path, monkeypatch):
     if arch == "llama":
         write_tiny_llama(tmp_path)
     else:
         write_tiny_checkpoint(arch, tmp_path, seed=0)
     monkeypatch.setenv("SHARDSERVE_KERNELS", "torch")
-    torch_tokens, torch_logits = greedy_run(tmp_path)
+    torch_tokens, torch_logits = greedy_run(tmp_path, **switches)
     calls = count_calls(monkeypatch, EXPECTED[arch])
     monkeypatch.setenv("SHARDSERVE_KERNELS", "triton")
-    triton_tokens, triton_logits = greedy_run(tmp_path)
+    triton_tokens, triton_logits = greedy_run(tmp_path, **switches)
     assert not [name for _, name in EXPECTED[arch] if calls[name] == 0], calls
     assert triton_tokens == torch_tokens
     torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)

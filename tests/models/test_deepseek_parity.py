@@ -174,7 +174,7 @@ def test_dsa_off_is_dense_mla(tiny_model, arch):
     prompt = _prompt(20, seed=5)
     runner = make_runner(tiny.path, dsa=False)
     assert all(layer.indexer is None for layer in runner.model.attention_layers())
-    assert len(runner.model.kv_cache_shape(4, 4)) == 1
+    assert all(len(layer.cache_spec(4, 4)) == 1 for layer in runner.model.attention_layers())
     generated, prefill, decode = _run_single(runner, prompt, steps=8)
     with hf_index_topk(tiny.hf, 10**6):
         dense_reference = hf_logits(tiny.hf, prompt + generated[:-1])

@@ -13,7 +13,9 @@ Math follows transformers' ``deepseek_v3``, ``deepseek_v32`` and ``glm_moe_dsa``
 Serving switches, read from optional attributes of the HF config (the runner sets them) or given
 as constructor keywords: ``shardserve_dsa`` (default True; False = dense MLA, no indexer cache),
 ``shardserve_dsa_top_k`` (default: the checkpoint's ``index_topk``), ``shardserve_hadamard``
-(default True: Walsh-Hadamard rotation of indexer q/k, score-preserving).
+(default True: Walsh-Hadamard rotation of indexer q/k, score-preserving),
+``shardserve_indexer_cache_dtype`` (``"auto"``: the model dtype, or ``"fp8"``; see
+:class:`DSAIndexer`).
 """
 
 from __future__ import annotations
@@ -73,11 +75,11 @@ class DeepseekModel(nn.Module):
         dtype: parameter dtype.
         indexer_types: per layer ``"full"`` (own DSA indexer), ``"shared"`` (reuse the last full
             layer's top-k) or ``"none"`` (dense MLA).
-        indexer_rope_interleaved / hadamard: indexer options (see :class:`DSAIndexer`).
+        indexer_rope_interleaved / hadamard / indexer_cache_dtype: indexer options (see :class:`DSAIndexer`).
     """
 
     def __init__(self, config, tensor_split: list[float] | None, dtype: torch.dtype, indexer_types: list[str],
-                 indexer_rope_interleaved: bool, hadamard: bool) -> None:
+                 indexer_rope_interleaved: bool, hadamard: bool, indexer_cache_dtype: str = "auto") -> None:
         super().__init__()
         group = get_tp_group()
         rank, size = group.tp_rank, group.tp_size
@@ -98,7 +100,7 @@ class DeepseekModel(nn.Module):
         for idx in range(config.num_hidden_layers):
             indexer = None
             if indexer_types[idx] == "full":
-                indexer = DSAIndexer(config, indexer_rope_interleaved, hadamard, dtype)
+                indexer = DSAIndexer(config, indexer_rope_interleaved, hadamard, dtype, indexer_cache_dtype)
             attn = MLAAttention(config, head_range, rotary, mla_interleaved, indexer,
                                 shares_topk=indexer_types[idx] == "shared", dtype=dtype)
             if mlp_types[idx] == "sparse":
@@ -132,7 +134,8 @@ class DeepseekV32ForCausalLM(nn.Module):
         tensor_split: relative per-rank weights for uneven splits (None = even); heads, routed
             experts, MLP intermediate dims and the vocabulary are split in whole units.
         dtype: parameter and cache dtype.
-        dsa_enabled / dsa_top_k / hadamard: serving switches (see the module docstring).
+        dsa_enabled / dsa_top_k / hadamard / indexer_cache_dtype: serving switches (see the module
+            docstring).
     """
 
     # checkpoint sub-name -> (our packed parameter sub-name, shard id)
@@ -140,17 +143,19 @@ class DeepseekV32ForCausalLM(nn.Module):
     indexer_rope_interleaved = False   # DeepseekV32Indexer: half-split RoPE
 
     def __init__(self, config, tensor_split: list[float] | None = None, dtype: torch.dtype = torch.float32, *,
-                 dsa_enabled: bool | None = None, dsa_top_k: int | None = None, hadamard: bool | None = None) -> None:
+                 dsa_enabled: bool | None = None, dsa_top_k: int | None = None, hadamard: bool | None = None,
+                 indexer_cache_dtype: str | None = None) -> None:
         super().__init__()
         self.config = config
         has_indexer = hasattr(config, "index_topk")
         self.dsa_enabled = has_indexer and bool(_option(dsa_enabled, config, "shardserve_dsa", True))
         self.dsa_top_k = int(_option(dsa_top_k, config, "shardserve_dsa_top_k", getattr(config, "index_topk", 0)))
         self.hadamard = bool(_option(hadamard, config, "shardserve_hadamard", True))
+        self.indexer_cache_dtype = str(_option(indexer_cache_dtype, config, "shardserve_indexer_cache_dtype", "auto"))
         assert not self.dsa_enabled or self.dsa_top_k > 0, f"dsa_top_k={self.dsa_top_k} must be > 0"
         indexer_types = self._indexer_types(config) if self.dsa_enabled else ["none"] * config.num_hidden_layers
         self.model = DeepseekModel(config, tensor_split, dtype, indexer_types, self.indexer_rope_interleaved,
-                                   self.hadamard)
+                                   self.hadamard, self.indexer_cache_dtype)
         rank = get_tp_group().tp_rank
         ranges = self.model.vocab_ranges
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *ranges[rank],
@@ -162,15 +167,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         return ["full"] * config.num_hidden_layers
 
     def attention_layers(self) -> list[MLAAttention]:
-        """The modules that own cache tensors, in layer order."""
+        """The modules that own cache tensors (each with ``cache_spec`` and a ``kv_cache`` setter),
+        in layer order."""
         return [layer.self_attn for layer in self.model.layers]
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        """Per layer: the MLA latent cache and, with DSA on, the indexer-key cache (same blocks)."""
-        shapes = [(num_blocks, block_size, self.config.kv_lora_rank + self.config.qk_rope_head_dim)]
-        if self.dsa_enabled:
-            shapes.append((num_blocks, block_size, self.config.index_head_dim))
-        return shapes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.dsa_top_k if self.dsa_enabled else None)

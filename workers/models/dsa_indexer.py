@@ -11,6 +11,11 @@ which is DeepSeek-V3.2-Exp ``inference/model.py: Indexer`` without the FP8 scori
     score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * D_idx^-0.5)
     top-k over the causal keys of t's own sequence.
 
+The key cache holds keys in the model dtype or, with ``cache_dtype="fp8"``, in DeepSeek-V3.2's fp8
+format (e4m3 values + a power-of-two scale per 128 dims, packed per slot; see
+:func:`kernels.indexer.quantize_index_keys`): 132 instead of 256 bytes per token for bf16
+``index_head_dim=128``. Only keys are quantized, so scores move by the keys' e4m3 rounding.
+
 Optionally (default on) q and k are rotated by the normalized Walsh-Hadamard matrix before the
 key is cached, as DeepSeek's reference does (``rotate_activation``): ``(Hq).(Hk) = q.k`` so the
 scores, and the top-k, are unchanged up to float rounding; transformers omits it.
@@ -24,6 +29,7 @@ from torch import nn
 
 from kernels import apply_rotary, indexer_topk, store_cache
 from kernels.hadamard import hadamard_transform
+from kernels.indexer import fp8_row_bytes, quantize_index_keys
 from workers.forward_context import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear
 
@@ -44,12 +50,20 @@ class DSAIndexer(nn.Module):
         rope_interleaved: RoPE pair layout of the reference (False for DeepSeek-V3.2, True for GLM).
         hadamard: rotate q and k by the Walsh-Hadamard matrix (score-preserving).
         dtype: parameter dtype (``weights_proj`` stays float32, as HF keeps it).
+        cache_dtype: ``"auto"`` (keys cached in ``dtype``) or ``"fp8"`` (packed fp8 rows).
 
-    ``k_cache`` ``[num_blocks, block_size, index_head_dim]`` is set by the model's cache setter.
+    ``k_cache`` (shape and dtype from :meth:`cache_spec`) is set by the attention layer's cache setter.
+
+    Raises:
+        ValueError: an unknown ``cache_dtype``, a non-power-of-two ``index_head_dim`` with the
+            Hadamard rotation on, or an fp8 cache with ``index_head_dim % 4 != 0``.
     """
 
-    def __init__(self, config, rope_interleaved: bool, hadamard: bool, dtype: torch.dtype) -> None:
+    def __init__(self, config, rope_interleaved: bool, hadamard: bool, dtype: torch.dtype,
+                 cache_dtype: str = "auto") -> None:
         super().__init__()
+        if cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"indexer cache dtype must be 'auto' or 'fp8', got {cache_dtype!r}")
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -65,7 +79,18 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
         self.k_norm.requires_grad_(False)
         self.weights_proj = ColumnParallelLinear(hidden, [(self.num_heads, 0, self.num_heads)], dtype=torch.float32)
+        self.cache_fp8 = cache_dtype == "fp8"
+        self.cache_dtype = dtype
+        if self.cache_fp8:
+            fp8_row_bytes(self.head_dim)               # raises for a head dim the format cannot pack
         self.k_cache: torch.Tensor | None = None
+
+    def cache_spec(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of the indexer-key cache: ``[num_blocks, block_size, index_head_dim]``
+        in the model dtype, or uint8 ``[num_blocks, block_size, fp8_row_bytes(index_head_dim)]``."""
+        if self.cache_fp8:
+            return (num_blocks, block_size, fp8_row_bytes(self.head_dim)), torch.uint8
+        return (num_blocks, block_size, self.head_dim), self.cache_dtype
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first ``rope_dim`` dims of ``x [T, heads, head_dim]``."""
@@ -99,7 +124,7 @@ class DSAIndexer(nn.Module):
         k = self._rope(k[:, None, :], cos, sin)[:, 0]
         if self.hadamard:
             q, k = hadamard_transform(q), hadamard_transform(k)
-        store_cache(k, self.k_cache, meta.slot_mapping)
+        store_cache(quantize_index_keys(k) if self.cache_fp8 else k, self.k_cache, meta.slot_mapping)
         if meta.max_seq_len <= top_k:
             return None
         weights = self.weights_proj(hidden.float()) * (self.num_heads ** -0.5 * self.head_dim ** -0.5)   # [T, H_idx]

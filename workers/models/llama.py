@@ -46,7 +46,13 @@ class LlamaAttention(nn.Module):
                                         self.num_heads * self.head_dim, bias=bias, dtype=dtype)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
+        self.cache_dtype = dtype
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cache_spec(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """``(shape, dtype)`` of this layer's K and V caches."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [(shape, self.cache_dtype), (shape, self.cache_dtype)]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -156,14 +162,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # one copy, same vocab partition
 
     def attention_layers(self) -> list[LlamaAttention]:
-        """The modules that own a slice of the KV cache, in layer order."""
+        """The modules that own a slice of the KV cache (each with ``cache_spec`` and a
+        ``kv_cache`` setter), in layer order."""
         return [layer.self_attn for layer in self.model.layers]
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        """Shape of each cache tensor one attention layer needs (K and V)."""
-        attn = self.model.layers[0].self_attn
-        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        return [shape, shape]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -98,9 +98,18 @@ class MLAAttention(nn.Module):
         self.indexer = indexer
         self.shares_topk = shares_topk
         self.scale = mla_softmax_scale(config)
+        self.cache_dtype = dtype
         self.latent_cache: torch.Tensor | None = None
         self.record_topk = False                         # tests: keep the last selection in `last_topk`
         self.last_topk: torch.Tensor | None = None
+
+    def cache_spec(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """``(shape, dtype)`` of this layer's caches: the latent cache and, for a layer with its own
+        indexer, the indexer-key cache (same blocks; a GLM "shared" layer has none)."""
+        spec = [((num_blocks, block_size, self.kv_lora_rank + self.rope_dim), self.cache_dtype)]
+        if self.indexer is not None:
+            spec.append(self.indexer.cache_spec(num_blocks, block_size))
+        return spec
 
     @property
     def kv_cache(self) -> tuple[torch.Tensor, ...]:
@@ -111,12 +120,10 @@ class MLAAttention(nn.Module):
 
     @kv_cache.setter
     def kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
+        assert len(caches) == 1 + (self.indexer is not None), \
+            f"expected the tensors of cache_spec(), got {len(caches)}"
         self.latent_cache = caches[0]
-        # NOTE: the runner gives every layer the same tensors; a GLM "shared" layer has no indexer
-        # and drops its indexer-key tensor here, so that memory is freed (but still counted by the
-        # runner's block sizing).
         if self.indexer is not None:
-            assert len(caches) == 2, f"layer with a DSA indexer needs (latent, indexer) caches, got {len(caches)}"
             self.indexer.k_cache = caches[1]
 
     def _queries(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

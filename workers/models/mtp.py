@@ -134,19 +134,13 @@ class DeepseekMTPModel(nn.Module):
         if has_indexer:
             indexer = DSAIndexer(config, getattr(target_cls, "indexer_rope_interleaved",
                                                  DeepseekV32ForCausalLM.indexer_rope_interleaved),
-                                 bool(_option(None, config, "shardserve_hadamard", True)), dtype)
+                                 bool(_option(None, config, "shardserve_hadamard", True)), dtype,
+                                 str(_option(None, config, "shardserve_indexer_cache_dtype", "auto")))
         moe = f"{self.prefix}mlp.gate.weight" in ckpt_names
         self.mtp = DeepseekMTPLayer(config, indexer, moe, dtype)
 
     def attention_layers(self) -> list[MLAAttention]:
         return [self.mtp.self_attn]
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        """The MLA latent cache and, with an indexer, the indexer-key cache (same blocks)."""
-        shapes = [(num_blocks, block_size, self.config.kv_lora_rank + self.config.qk_rope_head_dim)]
-        if self.mtp.self_attn.indexer is not None:
-            shapes.append((num_blocks, block_size, self.config.index_head_dim))
-        return shapes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
