@@ -49,6 +49,12 @@ class EngineArgs:
         """Raises ValueError for inconsistent settings."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.num_blocks is None and self.kv_cache_gib <= 0:
+            raise ValueError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_split is not None and len(self.tensor_split) != self.tensor_parallel_size:

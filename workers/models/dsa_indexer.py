@@ -80,7 +80,7 @@ class DSAIndexer(nn.Module):
         self.k_norm.requires_grad_(False)
         self.weights_proj = ColumnParallelLinear(hidden, [(self.num_heads, 0, self.num_heads)], dtype=torch.float32)
         self.cache_fp8 = cache_dtype == "fp8"
-        self.cache_dtype = dtype
+        self.param_dtype = dtype
         if self.cache_fp8:
             fp8_row_bytes(self.head_dim)               # raises for a head dim the format cannot pack
         self.k_cache: torch.Tensor | None = None
@@ -90,7 +90,7 @@ class DSAIndexer(nn.Module):
         in the model dtype, or uint8 ``[num_blocks, block_size, fp8_row_bytes(index_head_dim)]``."""
         if self.cache_fp8:
             return (num_blocks, block_size, fp8_row_bytes(self.head_dim)), torch.uint8
-        return (num_blocks, block_size, self.head_dim), self.cache_dtype
+        return (num_blocks, block_size, self.head_dim), self.param_dtype
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first ``rope_dim`` dims of ``x [T, heads, head_dim]``."""
