@@ -58,7 +58,8 @@ def test_indexer_kernel_matches_reference(block_size, seq_lens, query_lens, num_
     assert_close(actual[finite], expected[finite], torch.float32, scale=5.0)
 
 
-@pytest.mark.parametrize("topk", [4, 64], ids=["B2-T12-H4-D32-fp32-topk4", "B2-T12-H4-D32-fp32-topk64-exceeds"])
+@pytest.mark.parametrize("topk", [4, 64, 2048], ids=["B2-T12-H4-D32-fp32-topk4", "B2-T12-H4-D32-fp32-topk64-exceeds",
+                                                     "B2-T12-H4-D32-fp32-topk2048-deepseek"])
 def test_indexer_topk_kernel_selects_reference_best(topk, monkeypatch):
     """Top-k through the Triton logits picks keys the reference also ranks in its top-k."""
     q, weights, k_cache, block_tables, lens, qsl, _ = build(16, [40, 7], [5, 7], 4, 32, torch.float32)
