@@ -52,6 +52,14 @@ class LazyTensor:
         """Read the whole tensor."""
         return self._read((slice(None),))
 
+    def check_shape(self, expected: tuple[int, ...]) -> None:
+        """Raises:
+            CheckpointError: the tensor's shape is not ``expected`` (naming file and tensor).
+        """
+        if tuple(self.shape) != tuple(expected):
+            raise CheckpointError(
+                f"{self.file}: tensor {self.name!r} has shape {list(self.shape)}, expected {list(expected)}")
+
 
 class Checkpoint:
     """Base class: a mapping from HF tensor names to :class:`LazyTensor` plus the config."""
@@ -76,10 +84,8 @@ class Checkpoint:
         if name not in self:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
         tensor = self.get(name)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{tensor.file}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
-            )
+        if shape is not None:
+            tensor.check_shape(shape)
         return tensor
 
 

@@ -14,14 +14,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
+from workers.checkpoint import Checkpoint, LazyTensor
 
 
 def default_weight_loader(param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
     """Copy a replicated tensor whole, checking its shape."""
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise CheckpointError(
-            f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+    tensor.check_shape(param.shape)
     param.data.copy_(tensor.load())
 
 

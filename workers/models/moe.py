@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_moe, silu_and_mul
-from workers.checkpoint import CheckpointError, LazyTensor
+from workers.checkpoint import LazyTensor
 from workers.distributed import get_tp_group
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -124,21 +124,15 @@ class FusedExperts(nn.Module):
         self.w13_weight.weight_loader = self._load_w13
         self.w2_weight.weight_loader = self._load_w2
 
-    @staticmethod
-    def _check(tensor: LazyTensor, expected: tuple[int, int]) -> None:
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(
-                f"{tensor.file}: tensor {tensor.name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
-
     def _load_w13(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int) -> None:
         """Copy one expert's ``gate_proj`` (even ``shard_id``) or ``up_proj`` (odd) ``[I, H]``."""
-        self._check(tensor, (self.intermediate_size, self.hidden_size))
+        tensor.check_shape((self.intermediate_size, self.hidden_size))
         rows = slice((shard_id % 2) * self.intermediate_size, (shard_id % 2 + 1) * self.intermediate_size)
         param.data[shard_id // 2, rows].copy_(tensor.load())
 
     def _load_w2(self, param: nn.Parameter, tensor: LazyTensor, shard_id: int) -> None:
         """Copy one expert's ``down_proj`` ``[H, I]``."""
-        self._check(tensor, (self.hidden_size, self.intermediate_size))
+        tensor.check_shape((self.hidden_size, self.intermediate_size))
         param.data[shard_id].copy_(tensor.load())
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
