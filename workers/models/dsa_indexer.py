@@ -128,5 +128,6 @@ class DSAIndexer(nn.Module):
         if meta.max_seq_len <= top_k:
             return None
         weights = self.weights_proj(hidden.float()) * (self.num_heads ** -0.5 * self.head_dim ** -0.5)   # [T, H_idx]
+        decode = meta.max_query_len == 1               # one query per sequence: the batched decode path
         return indexer_topk(q, weights, self.k_cache, meta.block_tables, meta.seq_lens, top_k,
-                            meta.query_start_loc, meta.max_seq_len)
+                            None if decode else meta.query_start_loc, meta.max_seq_len)
