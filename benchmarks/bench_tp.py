@@ -14,10 +14,10 @@ import argparse
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from cluster.config import EngineArgs
-from cluster.coordinator import launch_coordinator
-from cluster.request import SamplingParams
-from cluster.worker_group import GroupConfig
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.coordinator import launch_coordinator
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.worker_group import GroupConfig
 
 CONFIGS = [  # (tp, collective, dispatch)
     (1, None, "calls"), (1, None, "compiled"),
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--new-tokens", type=int, default=48)
     args = parser.parse_args()
-    from workers.model_source import resolve_model
+    from shardserve.workers.model_source import resolve_model
 
     model = str(resolve_model(args.model).path)
     ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)

@@ -53,14 +53,14 @@ def _paged(seq_lens: list[int], block_size: int, row_shape: tuple[int, ...], dty
 
 
 def elementwise_cases(dtype, small: bool) -> list[Case]:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul_triton
-    from kernels.hadamard import hadamard_transform_ref
-    from kernels.hadamard_triton import hadamard_transform_triton
-    from kernels.norm import rms_norm_ref
-    from kernels.norm_triton import rms_norm_triton
-    from kernels.rotary import apply_rotary_ref
-    from kernels.rotary_triton import apply_rotary_triton
+    from shardserve.kernels.activation import silu_and_mul_ref
+    from shardserve.kernels.activation_triton import silu_and_mul_triton
+    from shardserve.kernels.hadamard import hadamard_transform_ref
+    from shardserve.kernels.hadamard_triton import hadamard_transform_triton
+    from shardserve.kernels.norm import rms_norm_ref
+    from shardserve.kernels.norm_triton import rms_norm_triton
+    from shardserve.kernels.rotary import apply_rotary_ref
+    from shardserve.kernels.rotary_triton import apply_rotary_triton
 
     size = dtype.itemsize
     num_tokens, hidden = (37, 1000) if small else (4096, 7168)
@@ -88,8 +88,8 @@ def elementwise_cases(dtype, small: bool) -> list[Case]:
 
 
 def store_cases(dtype, small: bool) -> list[Case]:
-    from kernels.paged_attention import store_cache_ref, store_kv_ref
-    from kernels.paged_attention_triton import store_cache_triton, store_kv_triton
+    from shardserve.kernels.paged_attention import store_cache_ref, store_kv_ref
+    from shardserve.kernels.paged_attention_triton import store_cache_triton, store_kv_triton
 
     num_tokens, kv_heads, head_dim, latent = (19, 2, 64, 80) if small else (4096, 8, 128, 576)
     table, _, (k_cache, v_cache, l_cache) = _paged([num_tokens], 16, (kv_heads, head_dim), dtype, 3)
@@ -115,10 +115,10 @@ def store_cases(dtype, small: bool) -> list[Case]:
 
 
 def attention_cases(dtype, small: bool) -> list[Case]:
-    from kernels.mla_attention import mla_attention_ref
-    from kernels.mla_attention_triton import mla_attention_triton
-    from kernels.paged_attention import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention_triton
+    from shardserve.kernels.mla_attention import mla_attention_ref
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.paged_attention import paged_attention_ref
+    from shardserve.kernels.paged_attention_triton import paged_attention_triton
 
     size = dtype.itemsize
     cases = []
@@ -161,10 +161,10 @@ def attention_cases(dtype, small: bool) -> list[Case]:
 
 
 def indexer_moe_cases(dtype, small: bool) -> list[Case]:
-    from kernels.fused_moe import fused_moe_ref
-    from kernels.fused_moe_triton import fused_moe_triton
-    from kernels.indexer import indexer_scores_ref, quantize_index_keys
-    from kernels.indexer_triton import indexer_scores_triton
+    from shardserve.kernels.fused_moe import fused_moe_ref
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
+    from shardserve.kernels.indexer import indexer_scores_ref, quantize_index_keys
+    from shardserve.kernels.indexer_triton import indexer_scores_triton
 
     cases = []
     batch, ctx, heads, dim = (3, 100, 4, 64) if small else (64, 8192, 64, 128)

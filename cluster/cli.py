@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
-from cluster.config import EngineArgs
-from workers.model_source import DEFAULT_MODEL
+from shardserve.cluster.config import EngineArgs
+from shardserve.workers.model_source import DEFAULT_MODEL
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +64,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _group_config(ns: argparse.Namespace):
-    from cluster.coordinator import default_cpus_per_worker
-    from cluster.worker_group import GroupConfig
+    from shardserve.cluster.coordinator import default_cpus_per_worker
+    from shardserve.cluster.worker_group import GroupConfig
 
     return GroupConfig(tensor_parallel_size=ns.tensor_parallel_size,
                        cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(ns.tensor_parallel_size),
@@ -102,7 +102,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from cluster.coordinator import launch_coordinator
+    from shardserve.cluster.coordinator import launch_coordinator
 
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
@@ -130,8 +130,8 @@ class ServeStartError(RuntimeError):
 
 
 def _serve_args(ns: argparse.Namespace):
-    from cluster.coordinator import default_cpus_per_worker
-    from cluster.serve_app import ServeArgs
+    from shardserve.cluster.coordinator import default_cpus_per_worker
+    from shardserve.cluster.serve_app import ServeArgs
 
     tp = ns.tensor_parallel_size
     return ServeArgs(
@@ -181,8 +181,8 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.serve_app import build_app
-    from workers.model_source import resolve_model
+    from shardserve.cluster.serve_app import build_app
+    from shardserve.workers.model_source import resolve_model
 
     cfg = _serve_args(ns)
     cfg.validate()
@@ -218,8 +218,8 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _generate(ns: argparse.Namespace) -> int:
 
-    from cluster.llm import LLM
-    from cluster.request import SamplingParams
+    from shardserve.cluster.llm import LLM
+    from shardserve.cluster.request import SamplingParams
 
     llm = LLM(_engine_args(ns))
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.model_source import DEFAULT_MODEL
+from shardserve.workers.model_source import DEFAULT_MODEL
 
 
 @dataclass(slots=True)

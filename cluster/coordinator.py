@@ -16,14 +16,14 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from cluster.config import EngineArgs
-from cluster.engine import EngineCore, RequestOutput
-from cluster.request import SamplingParams
-from cluster.scheduler import SchedulerConfig
-from cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
-from workers.model_runner import RunnerConfig
-from workers.model_source import load_config, resolve_model
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.engine import EngineCore, RequestOutput
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
+from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.workers.model_runner import RunnerConfig
+from shardserve.workers.model_source import load_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Coordinator:
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
         self.drafter, speculator = self._start_drafter(args, group, pg), None
         if self.drafter is not None:
-            from cluster.speculative import Speculator
+            from shardserve.cluster.speculative import Speculator
 
             speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
@@ -239,7 +239,7 @@ class Coordinator:
         return self.core.speculator.stats.prometheus_text() if self.core.speculator else ""
 
     def _architecture(self) -> str:
-        from workers.models.registry import model_class
+        from shardserve.workers.models.registry import model_class
 
         return model_class(self.hf_config).__name__
 
@@ -249,7 +249,7 @@ class Coordinator:
     async def start_grpc(self, port: int = 50051, host: str = "0.0.0.0") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
         node's IP when bound to all interfaces)."""
-        from cluster.grpc_server import start_grpc_server
+        from shardserve.cluster.grpc_server import start_grpc_server
 
         self._ensure_loop()
         if self._grpc is None:

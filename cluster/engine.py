@@ -17,11 +17,11 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from cluster.block_manager import BlockManager
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.request import Logprob, Request, RequestStatus, SamplingParams
-from cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.request import Logprob, Request, RequestStatus, SamplingParams
+from shardserve.cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 

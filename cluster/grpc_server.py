@@ -12,9 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.request import SamplingParams
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from shardserve.cluster.request import SamplingParams
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
@@ -59,7 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return self.coordinator.encode(text=request.text)
 
     async def Generate(self, request, context):
-        from cluster.coordinator import ReplicaUnavailable
+        from shardserve.cluster.coordinator import ReplicaUnavailable
 
         try:
             prompt_ids = self._prompt_ids(request)

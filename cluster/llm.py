@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import EngineArgs
-from cluster.engine import EngineCore
-from cluster.request import Logprob, SamplingParams
-from cluster.scheduler import SchedulerConfig
-from cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from workers.model_runner import ModelRunner, RunnerConfig
-from workers.model_source import load_config, resolve_model
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.engine import EngineCore
+from shardserve.cluster.request import Logprob, SamplingParams
+from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
+from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.model_source import load_config, resolve_model
 
 
 @dataclass(slots=True)
@@ -50,8 +50,8 @@ class LLM:
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
         speculator, self.drafter = None, None
         if args.speculative_tokens:   # MTP draft model in this process, on the same block ids
-            from cluster.speculative import Speculator
-            from workers.draft_worker import DraftWorker
+            from shardserve.cluster.speculative import Speculator
+            from shardserve.workers.draft_worker import DraftWorker
 
             self.drafter = DraftWorker()
             self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, seed=args.seed)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.metrics import ServeMetrics
-from cluster.openai_protocol import (
+from shardserve.cluster.metrics import ServeMetrics
+from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, parse_chat, parse_completion, response_body, unavailable, usage_chunk)
-from cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from shardserve.cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
@@ -193,7 +193,7 @@ class RouterCore:
         return await self._complete(run)
 
     def _encode(self, kind: str, prompt) -> list[int]:
-        from cluster.tokenizer import encode_chat, encode_prompt
+        from shardserve.cluster.tokenizer import encode_chat, encode_prompt
 
         try:
             if kind == "chat":

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from workers.messages import SamplingOptions
+from shardserve.workers.messages import SamplingOptions
 
 
 class RequestStatus(enum.IntEnum):

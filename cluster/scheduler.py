@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.block_manager import BlockManager
-from cluster.request import Request, RequestStatus
-from workers.messages import NewRequestData, ScheduledRequest, StepPlan
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.request import Request, RequestStatus
+from shardserve.workers.messages import NewRequestData, ScheduledRequest, StepPlan
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Ray Serve application: an OpenAI-compatible HTTP front over tensor-parallel model replicas.
 
 Two kinds of deployments (``build_app`` wires them; ``serve_config.yaml`` and ``shardserve
-serve`` both deploy ``cluster.serve_app:build_app``):
+serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
 
 - ``ModelReplica{i}`` (one per data-parallel replica, ``num_replicas=1`` each): the Serve replica
   *is* the replica's coordinator. It builds :class:`cluster.coordinator.Coordinator` in-process,
@@ -33,11 +33,11 @@ from fastapi import FastAPI, Request
 from ray import serve
 from starlette.responses import Response
 
-from cluster.config import EngineArgs
-from cluster.openai_router import RouterCore
-from cluster.replica_pool import FAILED, LOADING, READY
-from cluster.worker_group import GroupConfig
-from workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.openai_router import RouterCore
+from shardserve.cluster.replica_pool import FAILED, LOADING, READY
+from shardserve.cluster.worker_group import GroupConfig
+from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class ModelReplica:
         self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
-        from cluster.coordinator import Coordinator
+        from shardserve.cluster.coordinator import Coordinator
 
         coordinator = None
         try:
@@ -228,8 +228,8 @@ async def _replica_status(handle) -> dict:
 
 
 def _load_tokenizer(model: str):
-    from cluster.tokenizer import load_tokenizer
-    from workers.model_source import resolve_model
+    from shardserve.cluster.tokenizer import load_tokenizer
+    from shardserve.workers.model_source import resolve_model
 
     return load_tokenizer(resolve_model(model))
 
@@ -282,7 +282,7 @@ class OpenAIRouter:
 
 
 def build_app(args: dict | None = None) -> serve.Application:
-    """The Serve application (``import_path: cluster.serve_app:build_app``; ``args`` as in
+    """The Serve application (``import_path: shardserve.cluster.serve_app:build_app``; ``args`` as in
     :class:`ServeArgs`).
 
     Raises:

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from cluster.request import RequestStatus
-from workers.messages import DraftBatch, DraftRequest, DraftResult, NewRequestData, StepResult
+from shardserve.cluster.request import RequestStatus
+from shardserve.workers.messages import DraftBatch, DraftRequest, DraftResult, NewRequestData, StepResult
 
 if TYPE_CHECKING:
-    from cluster.engine import EngineCore
-    from cluster.scheduler import ScheduledBatch
+    from shardserve.cluster.engine import EngineCore
+    from shardserve.cluster.scheduler import ScheduledBatch
 
 MAX_SPECULATIVE_TOKENS = 4
 

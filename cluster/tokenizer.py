@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.model_source import ModelFiles
+from shardserve.workers.model_source import ModelFiles
 
 
 def load_tokenizer(files: ModelFiles):

@@ -16,13 +16,13 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.distributed import collective_kind
-from workers.draft_worker import DraftWorker
-from workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
-from workers.model_runner import RunnerConfig
-from workers.model_source import ModelFiles
-from workers.partition import split_units
-from workers.worker import ShardWorker
+from shardserve.workers.distributed import collective_kind
+from shardserve.workers.draft_worker import DraftWorker
+from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
+from shardserve.workers.model_runner import RunnerConfig
+from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.partition import split_units
+from shardserve.workers.worker import ShardWorker
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class WorkerGroup:
         device = "cuda" if self.config.gpus_per_worker else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
         if kind == "shm":
-            from workers.comm_cpu import SharedMemorySegment
+            from shardserve.workers.comm_cpu import SharedMemorySegment
 
             vocab_slice = max(size for _, size in split_units(hf_config.vocab_size, tp, runner_config.tensor_split))
             max_floats = max(max_tokens * hf_config.hidden_size, max_seqs * vocab_slice)

@@ -8,15 +8,15 @@ Triton installed and ``TRITON_INTERPRET=1`` may be set any time before the first
 
 from __future__ import annotations
 
-from kernels.dispatch import use_triton
-from kernels.norm import rms_norm
-from kernels.paged_attention import paged_attention, store_cache, store_kv
-from kernels.rotary import apply_rotary
-from kernels.activation import silu_and_mul
-from kernels.mla_attention import mla_attention
-from kernels.indexer import indexer_scores, indexer_topk, select_topk
-from kernels.fused_moe import fused_moe
-from kernels.hadamard import hadamard_transform
+from shardserve.kernels.dispatch import use_triton
+from shardserve.kernels.norm import rms_norm
+from shardserve.kernels.paged_attention import paged_attention, store_cache, store_kv
+from shardserve.kernels.rotary import apply_rotary
+from shardserve.kernels.activation import silu_and_mul
+from shardserve.kernels.mla_attention import mla_attention
+from shardserve.kernels.indexer import indexer_scores, indexer_topk, select_topk
+from shardserve.kernels.fused_moe import fused_moe
+from shardserve.kernels.hadamard import hadamard_transform
 
 __all__ = ["use_triton", "rms_norm", "paged_attention", "store_kv", "store_cache", "apply_rotary", "silu_and_mul",
            "mla_attention", "indexer_scores", "indexer_topk", "select_topk", "fused_moe", "hadamard_transform"]

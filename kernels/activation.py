@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Dispatching SiLU-and-mul: :func:`kernels.activation_triton.silu_and_mul_triton` when
     :func:`~kernels.dispatch.use_triton` says so, else :func:`silu_and_mul_ref` (same contract)."""
     if use_triton(x):
-        from kernels.activation_triton import silu_and_mul_triton
+        from shardserve.kernels.activation_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -85,7 +85,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """Dispatching fused MoE (:func:`kernels.fused_moe_triton.fused_moe_triton` or
     :func:`fused_moe_ref`, same contract)."""
     if use_triton(hidden):
-        from kernels.fused_moe_triton import fused_moe_triton
+        from shardserve.kernels.fused_moe_triton import fused_moe_triton
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe import moe_align
-from kernels.triton_utils import check_launchable, interpreting, mma, pow2
+from shardserve.kernels.fused_moe import moe_align
+from shardserve.kernels.triton_utils import check_launchable, interpreting, mma, pow2
 
 
 @triton.jit

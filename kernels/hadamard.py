@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 @functools.lru_cache(maxsize=16)
@@ -51,7 +51,7 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """Dispatching Hadamard transform (:func:`kernels.hadamard_triton.hadamard_transform_triton`,
     an O(n log n) butterfly, or :func:`hadamard_transform_ref`; same contract)."""
     if use_triton(x):
-        from kernels.hadamard_triton import hadamard_transform_triton
+        from shardserve.kernels.hadamard_triton import hadamard_transform_triton
 
         return hadamard_transform_triton(x)
     return hadamard_transform_ref(x)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import check_launchable
+from shardserve.kernels.triton_utils import check_launchable
 
 
 @triton.jit

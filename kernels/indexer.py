@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.paged_attention import token_seq_and_pos
+from shardserve.kernels.dispatch import use_triton
+from shardserve.kernels.paged_attention import token_seq_and_pos
 
 FP8_GROUP = 128               # dims sharing one scale (DeepSeek-V3.2 act_quant block size)
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
@@ -146,7 +146,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     """Dispatching indexer logits (:func:`kernels.indexer_triton.indexer_scores_triton` or
     :func:`indexer_scores_ref`, same contract)."""
     if use_triton(q):
-        from kernels.indexer_triton import indexer_scores_triton
+        from shardserve.kernels.indexer_triton import indexer_scores_triton
 
         return indexer_scores_triton(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)
     return indexer_scores_ref(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.indexer import FP8_GROUP, fp8_row_bytes
-from kernels.triton_utils import check_launchable, interpreting, mma, pow2, token_metadata
+from shardserve.kernels.indexer import FP8_GROUP, fp8_row_bytes
+from shardserve.kernels.triton_utils import check_launchable, interpreting, mma, pow2, token_metadata
 
 
 @triton.jit

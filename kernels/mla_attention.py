@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.paged_attention import token_seq_and_pos
+from shardserve.kernels.dispatch import use_triton
+from shardserve.kernels.paged_attention import token_seq_and_pos
 
 
 def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
@@ -73,7 +73,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.
     """Dispatching absorbed MLA attention (:func:`kernels.mla_attention_triton.mla_attention_triton`
     or :func:`mla_attention_ref`, same contract, dense or sparse, prefill or decode)."""
     if use_triton(q_nope):
-        from kernels.mla_attention_triton import mla_attention_triton
+        from shardserve.kernels.mla_attention_triton import mla_attention_triton
 
         return mla_attention_triton(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale,
                                     query_start_loc, topk_indices, max_seq_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -35,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """Dispatching RMSNorm: :func:`kernels.norm_triton.rms_norm_triton` when
     :func:`~kernels.dispatch.use_triton` says so, else :func:`rms_norm_ref` (same contract)."""
     if use_triton(x):
-        from kernels.norm_triton import rms_norm_triton
+        from shardserve.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import check_launchable, pow2
+from shardserve.kernels.triton_utils import check_launchable, pow2
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -151,7 +151,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Dispatching K/V store (:func:`kernels.paged_attention_triton.store_kv_triton` or
     :func:`store_kv_ref`, same contract)."""
     if use_triton(key):
-        from kernels.paged_attention_triton import store_kv_triton
+        from shardserve.kernels.paged_attention_triton import store_kv_triton
 
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -161,7 +161,7 @@ def store_cache(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
     """Dispatching single-cache store (:func:`kernels.paged_attention_triton.store_cache_triton`
     or :func:`store_cache_ref`, same contract)."""
     if use_triton(values):
-        from kernels.paged_attention_triton import store_cache_triton
+        from shardserve.kernels.paged_attention_triton import store_cache_triton
 
         return store_cache_triton(values, cache, slot_mapping)
     store_cache_ref(values, cache, slot_mapping)
@@ -176,7 +176,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     ``step_cache``: see :func:`paged_attention_ref`."""
     if use_triton(query):
-        from kernels.paged_attention_triton import paged_attention_triton
+        from shardserve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, max_seq_len)

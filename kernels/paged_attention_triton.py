@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import (check_launchable, choose_splits, combine_splits, interpreting, mma, pow2,
+from shardserve.kernels.triton_utils import (check_launchable, choose_splits, combine_splits, interpreting, mma, pow2,
                                   split_buffers, token_metadata)
 
 _LOG2E = 1.4426950408889634

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from shardserve.kernels.dispatch import use_triton
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -35,7 +35,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """Dispatching RoPE: :func:`kernels.rotary_triton.apply_rotary_triton` when
     :func:`~kernels.dispatch.use_triton` says so, else :func:`apply_rotary_ref` (same contract)."""
     if use_triton(x):
-        from kernels.rotary_triton import apply_rotary_triton
+        from shardserve.kernels.rotary_triton import apply_rotary_triton
 
         return apply_rotary_triton(x, cos, sin, interleaved)
     return apply_rotary_ref(x, cos, sin, interleaved)

@@ -67,7 +67,7 @@ def pow2(value: int, minimum: int = 1) -> int:
 def token_metadata(query_start_loc: torch.Tensor | None, seq_lens: torch.Tensor,
                    num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``(token_seq, token_pos)`` for the kernels; see :func:`kernels.paged_attention.token_seq_and_pos`."""
-    from kernels.paged_attention import token_seq_and_pos
+    from shardserve.kernels.paged_attention import token_seq_and_pos
 
     token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, num_tokens)
     return token_seq.to(torch.int32).contiguous(), token_pos.to(torch.int32).contiguous()

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import inference_pb2 as proto_dot_inference__pb2
+from shardserve.proto import inference_pb2 as shardserve_dot_proto_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/inference_pb2_grpc.py depends on'
+        + ' but the generated code in shardserve/proto/inference_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class InferenceStub:
         """
         self.Generate = channel.unary_stream(
                 '/shardserve.v1.Inference/Generate',
-                request_serializer=proto_dot_inference__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_inference__pb2.GenerateResponse.FromString,
+                request_serializer=shardserve_dot_proto_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=shardserve_dot_proto_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/shardserve.v1.Inference/Tokenize',
-                request_serializer=proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_inference__pb2.TokenizeResponse.FromString,
+                request_serializer=shardserve_dot_proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=shardserve_dot_proto_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/shardserve.v1.Inference/ModelInfo',
-                request_serializer=proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_inference__pb2.ModelInfoResponse.FromString,
+                request_serializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_inference__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_inference__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=shardserve_dot_proto_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=shardserve_dot_proto_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_inference__pb2.TokenizeRequest.FromString,
-                    response_serializer=proto_dot_inference__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=shardserve_dot_proto_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=shardserve_dot_proto_dot_inference__pb2.TokenizeResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=proto_dot_inference__pb2.ModelInfoRequest.FromString,
-                    response_serializer=proto_dot_inference__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.FromString,
+                    response_serializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Inference:
             request,
             target,
             '/shardserve.v1.Inference/Generate',
-            proto_dot_inference__pb2.GenerateRequest.SerializeToString,
-            proto_dot_inference__pb2.GenerateResponse.FromString,
+            shardserve_dot_proto_dot_inference__pb2.GenerateRequest.SerializeToString,
+            shardserve_dot_proto_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Inference:
             request,
             target,
             '/shardserve.v1.Inference/Tokenize',
-            proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
-            proto_dot_inference__pb2.TokenizeResponse.FromString,
+            shardserve_dot_proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            shardserve_dot_proto_dot_inference__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Inference:
             request,
             target,
             '/shardserve.v1.Inference/ModelInfo',
-            proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
-            proto_dot_inference__pb2.ModelInfoResponse.FromString,
+            shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
+            shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,15 +9,15 @@ import torch
 
 @pytest.fixture(scope="session")
 def smollm2_files():
-    from workers.model_source import resolve_model
+    from shardserve.workers.model_source import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_files):
-    from cluster.config import EngineArgs
-    from cluster.llm import LLM
+    from shardserve.cluster.config import EngineArgs
+    from shardserve.cluster.llm import LLM
 
     return LLM(EngineArgs(model=str(smollm2_files.path), kv_cache_gib=0.25), progress=False)
 
@@ -52,7 +52,7 @@ class Replicas:
         self.groups: dict = {}
 
     def launch(self, args, group):
-        from cluster.coordinator import launch_coordinator
+        from shardserve.cluster.coordinator import launch_coordinator
 
         handle, pg = launch_coordinator(args, group)
         self.groups[handle] = pg

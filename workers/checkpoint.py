@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from workers.gguf_names import GGUF_TO_HF, gguf_to_hf_name
+from shardserve.workers.gguf_names import GGUF_TO_HF, gguf_to_hf_name
 
 
 class CheckpointError(RuntimeError):

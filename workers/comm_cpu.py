@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workers.distributed import TensorParallelGroup
+from shardserve.workers.distributed import TensorParallelGroup
 
 _FLAG_STRIDE = 8          # int64s between flags: one 64-byte cache line each
 _SPIN_BEFORE_YIELD = 200  # polls before giving the core away (2 ranks may share 2 cores with others)

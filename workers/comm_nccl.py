@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.distributed import TensorParallelGroup
+from shardserve.workers.distributed import TensorParallelGroup
 
 
 def nccl_unique_id() -> tuple:

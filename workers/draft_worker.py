@@ -22,13 +22,13 @@ import os
 
 import torch
 
-from workers.checkpoint import open_checkpoint
-from workers.forward_context import AttentionMetadata, forward_context
-from workers.messages import DraftBatch, DraftProposal, DraftResult
-from workers.model_runner import RequestState, allocate_caches, apply_request_diffs
-from workers.model_source import ModelFiles
-from workers.models.mtp import build_mtp_model
-from workers.sampler import draft_sample
+from shardserve.workers.checkpoint import open_checkpoint
+from shardserve.workers.forward_context import AttentionMetadata, forward_context
+from shardserve.workers.messages import DraftBatch, DraftProposal, DraftResult
+from shardserve.workers.model_runner import RequestState, allocate_caches, apply_request_diffs
+from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.models.mtp import build_mtp_model
+from shardserve.workers.sampler import draft_sample
 
 logger = logging.getLogger(__name__)
 

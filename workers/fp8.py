@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
+from shardserve.workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
 
 SCALE_SUFFIX = "weight_scale_inv"
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -136,7 +136,7 @@ def dequantizing_checkpoint(ckpt: Checkpoint, config) -> Checkpoint:
     A checkpoint counts as FP8 when ``config.quantization_config.quant_method == "fp8"`` or any
     tensor name ends in ``weight_scale_inv``; otherwise ``ckpt`` is returned unchanged.
     """
-    from workers.checkpoint import SafetensorsCheckpoint
+    from shardserve.workers.checkpoint import SafetensorsCheckpoint
 
     if not isinstance(ckpt, SafetensorsCheckpoint):
         return ckpt

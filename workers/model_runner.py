@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.checkpoint import open_checkpoint
-from workers.distributed import get_tp_group
-from workers.forward_context import AttentionMetadata, forward_context
-from workers.messages import SamplingOptions, StepPlan, StepResult
-from workers.model_source import ModelFiles
-from workers.sampler import sample, sample_with_drafts, sampled_tokens
-from workers.weight_loader import build_model
+from shardserve.workers.checkpoint import open_checkpoint
+from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.forward_context import AttentionMetadata, forward_context
+from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
+from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.weight_loader import build_model
 
 logger = logging.getLogger(__name__)
 

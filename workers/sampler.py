@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.messages import SampledToken, SamplingOptions, ScheduledRequest
+from shardserve.workers.messages import SampledToken, SamplingOptions, ScheduledRequest
 
 _GREEDY_EPS = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant; spreads (seed, index) over the 63-bit seed space

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from workers.checkpoint import Checkpoint, LazyTensor
+from shardserve.workers.checkpoint import Checkpoint, LazyTensor
 
 
 def default_weight_loader(param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
@@ -72,8 +72,8 @@ def build_model(config, ckpt: Checkpoint, tensor_split: list[float] | None = Non
     Returns:
         ``(model in eval mode, weight bytes on this rank)``.
     """
-    from workers.fp8 import dequantizing_checkpoint
-    from workers.models.registry import model_class
+    from shardserve.workers.fp8 import dequantizing_checkpoint
+    from shardserve.workers.models.registry import model_class
 
     ckpt = dequantizing_checkpoint(ckpt, config)  # FP8 block-scaled weights read as float32
     model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from workers.distributed import TensorParallelGroup, set_tp_group
-from workers.messages import StepPlan, StepResult
-from workers.model_runner import ModelRunner, RunnerConfig
-from workers.model_source import ModelFiles
+from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
+from shardserve.workers.messages import StepPlan, StepResult
+from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.model_source import ModelFiles
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ShardWorker:
             return sock.getsockname()[1]
 
     def nccl_unique_id(self) -> tuple:
-        from workers.comm_nccl import nccl_unique_id
+        from shardserve.workers.comm_nccl import nccl_unique_id
 
         return nccl_unique_id()
 
@@ -59,15 +59,15 @@ class ShardWorker:
         if self.tp_size == 1:
             self.group = TensorParallelGroup()
         elif kind == "gloo":
-            from workers.comm_cpu import GlooGroup
+            from shardserve.workers.comm_cpu import GlooGroup
 
             self.group = GlooGroup(self.tp_rank, self.tp_size, info["init_method"])
         elif kind == "shm":
-            from workers.comm_cpu import SharedMemoryGroup
+            from shardserve.workers.comm_cpu import SharedMemoryGroup
 
             self.group = SharedMemoryGroup(self.tp_rank, self.tp_size, info["name"], info["max_floats"])
         elif kind == "nccl":
-            from workers.comm_nccl import CupyNcclGroup
+            from shardserve.workers.comm_nccl import CupyNcclGroup
 
             self.group = CupyNcclGroup(self.tp_rank, self.tp_size, info["unique_id"])
         else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.tokenizer import load_tokenizer
+from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

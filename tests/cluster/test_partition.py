@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.partition import split_units
+from shardserve.workers.partition import split_units
 
 
 @pytest.mark.parametrize("units,tp,weights,expected", [

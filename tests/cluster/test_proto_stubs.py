@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proto.generate import STUBS, generate
+from shardserve.proto.generate import STUBS, generate
 
 PROTO_DIR = Path(__file__).resolve().parents[2] / "proto"
 
@@ -13,4 +13,4 @@ def test_stubs_are_up_to_date(tmp_path):
     generate(tmp_path)
     for name in STUBS:
         fresh, committed = (tmp_path / name).read_text(), (PROTO_DIR / name).read_text()
-        assert fresh == committed, f"proto/{name} is stale: run `python -m proto.generate`"
+        assert fresh == committed, f"proto/{name} is stale: run `python -m shardserve.proto.generate`"

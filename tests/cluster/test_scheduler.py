@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.block_manager import BlockManager
-from cluster.request import Request, RequestStatus, SamplingParams
-from cluster.scheduler import Scheduler, SchedulerConfig
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.request import Request, RequestStatus, SamplingParams
+from shardserve.cluster.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=8):

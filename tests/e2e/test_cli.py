@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import model_source
+from shardserve.workers import model_source
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from procs import free_port
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

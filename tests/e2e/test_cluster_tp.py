@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import EngineArgs
-from cluster.request import SamplingParams
-from cluster.worker_group import GroupConfig
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.worker_group import GroupConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import EngineArgs
-from cluster.llm import LLM
-from cluster.request import SamplingParams
-from cluster.worker_group import GroupConfig
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.llm import LLM
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.worker_group import GroupConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
@@ -25,7 +25,7 @@ NUM_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
 def checkpoint(request, tmp_path_factory, smollm2_files):
-    from cluster.tokenizer import load_tokenizer
+    from shardserve.cluster.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp(request.param)
     tokenizer = load_tokenizer(smollm2_files)

@@ -23,8 +23,8 @@ import openai
 import pytest
 import yaml
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def ray_list(kind: str, dashboard: str, env: dict) -> list[dict]:
 def test_ray_serve_deploy_of_serve_config_serves_tp2(tmp_path):
     gcs, dash, agent, client, http_port, grpc_port = (free_port() for _ in range(6))
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
-    assert config["applications"][0]["import_path"] == "cluster.serve_app:build_app"
+    assert config["applications"][0]["import_path"] == "shardserve.cluster.serve_app:build_app"
     assert config["applications"][0]["args"]["tensor_parallel_size"] == 2
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["applications"][0]["args"].update(grpc_port=grpc_port, grpc_host="127.0.0.1", kv_cache_gib=0.05,

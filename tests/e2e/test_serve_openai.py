@@ -18,10 +18,10 @@ import grpc
 import openai
 import pytest
 
-from cluster.request import SamplingParams
-from cluster.tokenizer import encode_chat
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.tokenizer import encode_chat
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
@@ -89,7 +89,7 @@ def created_placement_groups(ray_mod) -> dict[str, dict]:
 def server(ray_cluster):
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from shardserve.cluster.serve_app import build_app
 
     port = free_port()
     groups_before = set(created_placement_groups(ray_cluster))
@@ -253,7 +253,7 @@ def test_bad_requests_get_error_bodies_before_any_stream_and_the_server_keeps_se
 
 
 def test_chat_template_is_applied_once(server, tokenizer):
-    from cluster.openai_router import RouterCore
+    from shardserve.cluster.openai_router import RouterCore
 
     router = RouterCore(MODEL, [MODEL], [], load_tokenizer=lambda: None)
     bos = tokenizer.bos_token_id

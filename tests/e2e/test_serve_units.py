@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.openai_protocol import OpenAIError, parse_chat, parse_completion
-from cluster.openai_router import RouterCore
-from cluster.replica_pool import NoReplicaReady, ReplicaPool
-from cluster.serve_app import ServeArgs, build_app
+from shardserve.cluster.openai_protocol import OpenAIError, parse_chat, parse_completion
+from shardserve.cluster.openai_router import RouterCore
+from shardserve.cluster.replica_pool import NoReplicaReady, ReplicaPool
+from shardserve.cluster.serve_app import ServeArgs, build_app
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -151,6 +151,6 @@ def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
     manifest = next(yaml.safe_load_all((repo / "k8s" / "rayservice.yaml").read_text()))
     for config in (serve_config, yaml.safe_load(manifest["spec"]["serveConfigV2"])):
         (app,) = config["applications"]
-        assert app["import_path"] == "cluster.serve_app:build_app"
+        assert app["import_path"] == "shardserve.cluster.serve_app:build_app"
         args = ServeArgs.from_dict(app["args"])
         assert args.tensor_parallel_size == 2 and args.model == "smollm2-135m-instruct"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id
-from kernels.activation import silu_and_mul_ref
+from shardserve.kernels.activation import silu_and_mul_ref
 
 SHAPES = [(1, 16), (9, 23), (4, 96)]  # (num_tokens, d): one token, odd d, a power-of-two-ish d
 
@@ -14,7 +14,7 @@ SHAPES = [(1, 16), (9, 23), (4, 96)]  # (num_tokens, d): one token, odd d, a pow
 @pytest.mark.parametrize("num_tokens,dim,dtype",
                          [pytest.param(t, d, dt, id=case_id(1, t, 1, d, dt)) for t, d in SHAPES for dt in DTYPES])
 def test_silu_and_mul_kernel_matches_reference(num_tokens, dim, dtype):
-    from kernels.activation_triton import silu_and_mul_triton
+    from shardserve.kernels.activation_triton import silu_and_mul_triton
 
     x = 3 * torch.randn(num_tokens, 2 * dim, dtype=dtype)
     actual = silu_and_mul_triton(x)
@@ -23,7 +23,7 @@ def test_silu_and_mul_kernel_matches_reference(num_tokens, dim, dtype):
 
 
 def test_silu_and_mul_kernel_3d_input():
-    from kernels.activation_triton import silu_and_mul_triton
+    from shardserve.kernels.activation_triton import silu_and_mul_triton
 
     x = torch.randn(2, 3, 2 * 20)
     assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), torch.float32)

@@ -12,23 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+from shardserve import kernels
 
 # public name -> (reference module, reference name, Triton module, Triton name)
 OPS = {
-    "rms_norm": ("kernels.norm", "rms_norm_ref", "kernels.norm_triton", "rms_norm_triton"),
-    "apply_rotary": ("kernels.rotary", "apply_rotary_ref", "kernels.rotary_triton", "apply_rotary_triton"),
-    "silu_and_mul": ("kernels.activation", "silu_and_mul_ref", "kernels.activation_triton", "silu_and_mul_triton"),
-    "store_kv": ("kernels.paged_attention", "store_kv_ref", "kernels.paged_attention_triton", "store_kv_triton"),
-    "store_cache": ("kernels.paged_attention", "store_cache_ref", "kernels.paged_attention_triton",
+    "rms_norm": ("shardserve.kernels.norm", "rms_norm_ref", "shardserve.kernels.norm_triton", "rms_norm_triton"),
+    "apply_rotary": ("shardserve.kernels.rotary", "apply_rotary_ref", "shardserve.kernels.rotary_triton", "apply_rotary_triton"),
+    "silu_and_mul": ("shardserve.kernels.activation", "silu_and_mul_ref", "shardserve.kernels.activation_triton", "silu_and_mul_triton"),
+    "store_kv": ("shardserve.kernels.paged_attention", "store_kv_ref", "shardserve.kernels.paged_attention_triton", "store_kv_triton"),
+    "store_cache": ("shardserve.kernels.paged_attention", "store_cache_ref", "shardserve.kernels.paged_attention_triton",
                     "store_cache_triton"),
-    "paged_attention": ("kernels.paged_attention", "paged_attention_ref", "kernels.paged_attention_triton",
+    "paged_attention": ("shardserve.kernels.paged_attention", "paged_attention_ref", "shardserve.kernels.paged_attention_triton",
                         "paged_attention_triton"),
-    "mla_attention": ("kernels.mla_attention", "mla_attention_ref", "kernels.mla_attention_triton",
+    "mla_attention": ("shardserve.kernels.mla_attention", "mla_attention_ref", "shardserve.kernels.mla_attention_triton",
                       "mla_attention_triton"),
-    "indexer_scores": ("kernels.indexer", "indexer_scores_ref", "kernels.indexer_triton", "indexer_scores_triton"),
-    "fused_moe": ("kernels.fused_moe", "fused_moe_ref", "kernels.fused_moe_triton", "fused_moe_triton"),
-    "hadamard_transform": ("kernels.hadamard", "hadamard_transform_ref", "kernels.hadamard_triton",
+    "indexer_scores": ("shardserve.kernels.indexer", "indexer_scores_ref", "shardserve.kernels.indexer_triton", "indexer_scores_triton"),
+    "fused_moe": ("shardserve.kernels.fused_moe", "fused_moe_ref", "shardserve.kernels.fused_moe_triton", "fused_moe_triton"),
+    "hadamard_transform": ("shardserve.kernels.hadamard", "hadamard_transform_ref", "shardserve.kernels.hadamard_triton",
                            "hadamard_transform_triton"),
 }
 
@@ -67,7 +67,7 @@ def test_importing_kernels_does_not_import_triton():
 
 
 def test_triton_on_cpu_without_interpreter_fails_clearly(monkeypatch):
-    from kernels.triton_utils import check_launchable
+    from shardserve.kernels.triton_utils import check_launchable
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="need CUDA tensors"):

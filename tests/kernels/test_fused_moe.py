@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_utils import DTYPES, assert_close, case_id
-from kernels.fused_moe import fused_moe_ref, moe_align
+from shardserve.kernels.fused_moe import fused_moe_ref, moe_align
 
 # (num_tokens, hidden, intermediate, num_experts, top_k, block_m, unused_expert, dropped_ids)
 CASES = [
@@ -40,7 +40,7 @@ def make_inputs(num_tokens, hidden, inter, num_experts, top_k, unused_expert, dr
     for case in CASES for dt in DTYPES])
 def test_fused_moe_kernel_matches_reference(num_tokens, hidden, inter, num_experts, top_k, block_m, unused_expert,
                                             dropped_ids, dtype):
-    from kernels.fused_moe_triton import fused_moe_triton
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
 
     x, w13, w2, weights, ids = make_inputs(num_tokens, hidden, inter, num_experts, top_k, unused_expert,
                                            dropped_ids, dtype)

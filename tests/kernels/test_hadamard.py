@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id
-from kernels.hadamard import hadamard_transform_ref, sylvester_matrix
+from shardserve.kernels.hadamard import hadamard_transform_ref, sylvester_matrix
 
 
 @pytest.mark.parametrize("num_tokens,num_heads,dim,dtype", [
     pytest.param(t, h, d, dt, id=case_id(1, t, h, d, dt)) for t, h, d in [(1, 1, 64), (7, 1, 128), (3, 3, 256)]
     for dt in DTYPES])
 def test_hadamard_kernel_matches_reference(num_tokens, num_heads, dim, dtype):
-    from kernels.hadamard_triton import hadamard_transform_triton
+    from shardserve.kernels.hadamard_triton import hadamard_transform_triton
 
     x = torch.randn(num_tokens, num_heads, dim, dtype=dtype)
     actual = hadamard_transform_triton(x)
@@ -22,7 +22,7 @@ def test_hadamard_kernel_matches_reference(num_tokens, num_heads, dim, dtype):
 
 
 def test_hadamard_kernel_strided_rows():
-    from kernels.hadamard_triton import hadamard_transform_triton
+    from shardserve.kernels.hadamard_triton import hadamard_transform_triton
 
     wide = torch.randn(5, 200)
     x = wide[:, 8:72]                                  # 64 columns, row stride 200

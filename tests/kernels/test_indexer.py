@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of
-from kernels.indexer import (dequantize_index_keys, fp8_row_bytes, indexer_scores_ref, indexer_topk,
+from shardserve.kernels.indexer import (dequantize_index_keys, fp8_row_bytes, indexer_scores_ref, indexer_topk,
                              quantize_index_keys, select_topk)
-from kernels.paged_attention import store_cache_ref
+from shardserve.kernels.paged_attention import store_cache_ref
 
 # (block_size, seq_lens, query_lens or None for decode, num_heads, head_dim)
 CASES = [
@@ -46,7 +46,7 @@ def params():
 @pytest.mark.parametrize("cache", ["model-dtype", "fp8"])
 @pytest.mark.parametrize("block_size,seq_lens,query_lens,num_heads,head_dim,dtype", list(params()))
 def test_indexer_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, head_dim, dtype, cache):
-    from kernels.indexer_triton import indexer_scores_triton
+    from shardserve.kernels.indexer_triton import indexer_scores_triton
 
     make = build if cache == "model-dtype" else build_fp8
     q, weights, k_cache, block_tables, lens, qsl, _ = make(block_size, seq_lens, query_lens, num_heads, head_dim,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of
-from kernels.mla_attention import mla_attention_ref
-from kernels.paged_attention import store_cache_ref
+from shardserve.kernels.mla_attention import mla_attention_ref
+from shardserve.kernels.paged_attention import store_cache_ref
 
 KV_LORA, ROPE = 32, 16
 
@@ -47,7 +47,7 @@ def token_positions(seq_lens, query_lens):
                             "varlen" if qlens else "decode", f"split{sp or 'auto'}"))
     for bs, lens, qlens, h, sp in DENSE for dt in DTYPES])
 def test_mla_dense_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, num_splits, dtype):
-    from kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
 
     q_nope, q_pe, cache, block_tables, lens, qsl, _ = build(block_size, seq_lens, query_lens, num_heads, dtype)
     scale = (KV_LORA + ROPE) ** -0.5
@@ -83,7 +83,7 @@ SPARSE = [
                             f"split{sp or 'auto'}"))
     for bs, lens, qlens, h, k, sp in SPARSE for dt in DTYPES])
 def test_mla_sparse_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, topk, num_splits, dtype):
-    from kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
 
     q_nope, q_pe, cache, block_tables, lens, qsl, _ = build(block_size, seq_lens, query_lens, num_heads, dtype)
     topk_indices = make_topk(seq_lens, query_lens, topk)
@@ -94,7 +94,7 @@ def test_mla_sparse_kernel_matches_reference(block_size, seq_lens, query_lens, n
 
 
 def test_mla_sparse_all_padding_row_is_zero():
-    from kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
 
     q_nope, q_pe, cache, block_tables, lens, _, _ = build(16, [5, 9], None, 2, torch.float32)
     topk_indices = torch.tensor([[-1, -1, -1, -1], [8, -1, 0, 3]], dtype=torch.int32)

@@ -49,7 +49,7 @@ def count_calls(monkeypatch, entry_points) -> Counter:
     """Wrap each ``kernels.<module>.<function>`` so that its calls are counted by name."""
     calls: Counter = Counter()
     for module_name, name in entry_points:
-        module = importlib.import_module(f"kernels.{module_name}")
+        module = importlib.import_module(f"shardserve.kernels.{module_name}")
         original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):

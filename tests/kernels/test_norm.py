@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id
-from kernels.norm import rms_norm_ref
+from shardserve.kernels.norm import rms_norm_ref
 
 # (num_tokens, hidden): one token, odd hidden (masked tail), a power of two.
 SHAPES = [(1, 64), (7, 33), (5, 128)]
@@ -16,7 +16,7 @@ CASES = [pytest.param(t, d, dt, res, id=case_id(1, t, 1, d, dt, "residual" if re
 
 @pytest.mark.parametrize("num_tokens,hidden,dtype,with_residual", CASES)
 def test_rms_norm_kernel_matches_reference(num_tokens, hidden, dtype, with_residual):
-    from kernels.norm_triton import rms_norm_triton
+    from shardserve.kernels.norm_triton import rms_norm_triton
 
     x = torch.randn(num_tokens, hidden, dtype=dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
@@ -36,7 +36,7 @@ def test_rms_norm_kernel_matches_reference(num_tokens, hidden, dtype, with_resid
 
 def test_rms_norm_kernel_strided_rows():
     """A row slice of a wider tensor (MLA's kv_a_layernorm input) is read in place."""
-    from kernels.norm_triton import rms_norm_triton
+    from shardserve.kernels.norm_triton import rms_norm_triton
 
     wide = torch.randn(6, 80)
     x = wide[:, :48]

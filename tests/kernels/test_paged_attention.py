@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_utils import (DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of)
-from kernels.paged_attention import paged_attention_ref, store_cache_ref, store_kv_ref
+from shardserve.kernels.paged_attention import paged_attention_ref, store_cache_ref, store_kv_ref
 
 # (block_size, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, num_splits)
 CASES = [
@@ -61,7 +61,7 @@ def dense_attention(query, keys, values, seq_lens, query_lens, scale):
 @pytest.mark.parametrize("block_size,seq_lens,query_lens,num_heads,num_kv_heads,head_dim,num_splits,dtype", list(params()))
 def test_paged_attention_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, num_kv_heads,
                                                   head_dim, num_splits, dtype):
-    from kernels.paged_attention_triton import paged_attention_triton
+    from shardserve.kernels.paged_attention_triton import paged_attention_triton
 
     query, k_cache, v_cache, block_tables, _, _ = build(block_size, seq_lens, query_lens, num_heads,
                                                         num_kv_heads, head_dim, dtype)
@@ -91,7 +91,7 @@ def test_paged_attention_reference_matches_dense(block_size, seq_lens, query_len
 @pytest.mark.parametrize("block_size,dtype", [pytest.param(bs, dt, id=case_id(1, 7, 2, 24, dt, f"bs{bs}"))
                                               for bs in (16, 64) for dt in DTYPES])
 def test_store_kv_kernel_matches_reference(block_size, dtype):
-    from kernels.paged_attention_triton import store_kv_triton
+    from shardserve.kernels.paged_attention_triton import store_kv_triton
 
     num_blocks = 5
     slots = torch.tensor([0, block_size - 1, block_size, 3 * block_size + 5, 2, num_blocks * block_size - 1, 17])
@@ -106,7 +106,7 @@ def test_store_kv_kernel_matches_reference(block_size, dtype):
 
 def test_store_cache_kernel_skips_padding_slots():
     """Rows of any width (latent 40 + rope 8 here); slot -1 (a padding token) writes nothing."""
-    from kernels.paged_attention_triton import store_cache_triton
+    from shardserve.kernels.paged_attention_triton import store_cache_triton
 
     cache = torch.randn(3, 16, 48)
     expected = cache.clone()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id
-from kernels.rotary import apply_rotary_ref
+from shardserve.kernels.rotary import apply_rotary_ref
 
 SHAPES = [(1, 1, 16), (5, 3, 24), (4, 4, 64)]  # (num_tokens, num_heads, rot_dim); 24 -> half 12 (masked)
 
@@ -22,7 +22,7 @@ def angles(positions: torch.Tensor, rot_dim: int, base: float = 10000.0) -> tupl
     pytest.param(t, h, d, dt, il, id=case_id(1, t, h, d, dt, "interleaved" if il else "half"))
     for t, h, d in SHAPES for dt in DTYPES for il in (False, True)])
 def test_rotary_kernel_matches_reference(num_tokens, num_heads, rot_dim, dtype, interleaved):
-    from kernels.rotary_triton import apply_rotary_triton
+    from shardserve.kernels.rotary_triton import apply_rotary_triton
 
     x = torch.randn(num_tokens, num_heads, rot_dim, dtype=dtype)
     cos, sin = angles(torch.randint(0, 4096, (num_tokens,)), rot_dim)
@@ -34,7 +34,7 @@ def test_rotary_kernel_matches_reference(num_tokens, num_heads, rot_dim, dtype, 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_rotary_kernel_strided_slice(interleaved):
     """The rope part of q (``q[..., nope:]``, a strided view) is read in place."""
-    from kernels.rotary_triton import apply_rotary_triton
+    from shardserve.kernels.rotary_triton import apply_rotary_triton
 
     q = torch.randn(3, 2, 48)
     x = q[..., 16:]

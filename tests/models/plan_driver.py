@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from workers.forward_context import forward_context
-from workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
-from workers.model_runner import ModelRunner, RunnerConfig
-from workers.model_source import ModelFiles, load_config
+from shardserve.workers.forward_context import forward_context
+from shardserve.workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
+from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.model_source import ModelFiles, load_config
 
 
 def make_runner(path: str | Path, block_size: int = 4, num_blocks: int = 96, tensor_split=None,

@@ -15,7 +15,7 @@ import torch
 
 from plan_driver import PlanDriver, hf_logits, make_runner
 from tiny_checkpoints import ARCHS
-from workers.models.dsa_indexer import selection_mask
+from shardserve.workers.models.dsa_indexer import selection_mask
 
 TOL = 1e-4
 DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")

@@ -13,8 +13,8 @@ import torch
 from procs import free_port, run_ranks
 
 from plan_driver import PlanDriver, make_runner
-from workers.comm_cpu import GlooGroup
-from workers.distributed import set_tp_group
+from shardserve.workers.comm_cpu import GlooGroup
+from shardserve.workers.distributed import set_tp_group
 
 SPLITS = {"deepseek_v32": [3.0, 1.0], "glm_moe_dsa": [1.0, 1.0], "deepseek_v3": [1.0, 3.0]}
 TIMEOUT_S = 240

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.forward_context import AttentionMetadata
-from kernels import indexer_topk
-from workers.models.dsa_indexer import hadamard_transform, selection_mask
-from workers.models.mla import mla_softmax_scale
-from workers.models.paged_batch import PagedBatch
+from shardserve.workers.forward_context import AttentionMetadata
+from shardserve.kernels import indexer_topk
+from shardserve.workers.models.dsa_indexer import hadamard_transform, selection_mask
+from shardserve.workers.models.mla import mla_softmax_scale
+from shardserve.workers.models.paged_batch import PagedBatch
 
 
 def _sylvester(dim: int) -> torch.Tensor:

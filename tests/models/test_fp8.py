@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from plan_driver import PlanDriver, hf_logits, make_runner
 from tiny_checkpoints import ARCHS, dequantize_reference, load_hf_model, quantize_block_fp8, write_fp8_checkpoint
-from workers.checkpoint import CheckpointError, SafetensorsCheckpoint
-from workers.fp8 import Fp8DequantCheckpoint, dequantizing_checkpoint
-from workers.weight_loader import checkpoint_sources
+from shardserve.workers.checkpoint import CheckpointError, SafetensorsCheckpoint
+from shardserve.workers.fp8 import Fp8DequantCheckpoint, dequantizing_checkpoint
+from shardserve.workers.weight_loader import checkpoint_sources
 
 BLOCK = (32, 32)   # small blocks so the tiny weights span several, with partial edge blocks
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.indexer import quantize_index_keys
+from shardserve.kernels.indexer import quantize_index_keys
 from plan_driver import PlanDriver, make_runner
-from workers.models.dsa_indexer import selection_mask
+from shardserve.workers.models.dsa_indexer import selection_mask
 
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 PROMPT = torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()

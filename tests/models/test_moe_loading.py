@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plan_driver import make_runner
-from workers.checkpoint import CheckpointError, SafetensorsCheckpoint
-from workers.models.moe import FusedExperts
-from workers.weight_loader import checkpoint_sources
+from shardserve.workers.checkpoint import CheckpointError, SafetensorsCheckpoint
+from shardserve.workers.models.moe import FusedExperts
+from shardserve.workers.weight_loader import checkpoint_sources
 
 LAYER = "model.layers.1.mlp.experts"       # layer 1 is an MoE layer in every tiny config
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from cluster.config import EngineArgs
-from cluster.llm import LLM
-from cluster.request import SamplingParams
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.llm import LLM
+from shardserve.cluster.request import SamplingParams
 from tiny_checkpoints import mtp_block_model
-from workers.messages import DraftBatch, DraftProposal, DraftResult
+from shardserve.workers.messages import DraftBatch, DraftProposal, DraftResult
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 BLOCK_SIZE = 4

@@ -18,9 +18,9 @@ import torch
 
 from spec_helpers import StraightMTP
 from tiny_checkpoints import write_tiny_checkpoint
-from workers.draft_worker import DraftWorker
-from workers.messages import DraftBatch, DraftRequest, NewRequestData, SamplingOptions
-from workers.model_source import ModelFiles, load_config
+from shardserve.workers.draft_worker import DraftWorker
+from shardserve.workers.messages import DraftBatch, DraftRequest, NewRequestData, SamplingOptions
+from shardserve.workers.model_source import ModelFiles, load_config
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 BLOCK_SIZE = 4

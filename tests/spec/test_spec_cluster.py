@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import EngineArgs
-from cluster.worker_group import GroupConfig
+from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.worker_group import GroupConfig
 from spec_helpers import BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -40,8 +40,8 @@ def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint,
 
         import grpc
 
-        from proto import inference_pb2 as pb
-        from proto import inference_pb2_grpc as pb_grpc
+        from shardserve.proto import inference_pb2 as pb
+        from shardserve.proto import inference_pb2_grpc as pb_grpc
 
         address = ray_cluster.get(handle.start_grpc.remote(0, "127.0.0.1"))
         with grpc.insecure_channel(address) as channel:

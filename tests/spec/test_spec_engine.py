@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.request import SamplingParams
+from shardserve.cluster.request import SamplingParams
 from spec_helpers import ARCHS, NUM_BLOCKS, StraightMTP, greedy, install_oracle, make_llm, prompts
 from tiny_checkpoints import tiny_token_text
-from workers.model_source import ModelFiles, load_config
+from shardserve.workers.model_source import ModelFiles, load_config
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_preemption_with_drafts_in_flight(mtp_checkpoint, plain_outputs):
 
 def test_cli_generate_with_speculation(mtp_checkpoint, capsys):
     """``shardserve generate --speculative-tokens 2`` prints what plain decoding prints."""
-    from cluster.cli import build_parser, main
+    from shardserve.cluster.cli import build_parser, main
 
     path = str(mtp_checkpoint("glm_moe_dsa").path)
     argv = ["generate", "--model", path, "--prompt", "w005 w017 w033 w090", "--max-tokens", "12",

@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 
-from workers.messages import SamplingOptions
-from workers.sampler import draft_sample, sample, sampling_probs, verify_drafts
+from shardserve.workers.messages import SamplingOptions
+from shardserve.workers.sampler import draft_sample, sample, sampling_probs, verify_drafts
 
 VOCAB = 5
 NUM_OUT = 3          # continuation length whose joint law is tested (125 cells)

@@ -48,7 +48,7 @@ class _SingleRankDrafter:
         method = getattr(self.inner, name)
 
         def call(*args, **kwargs):
-            from workers.distributed import TensorParallelGroup, set_tp_group
+            from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
 
             set_tp_group(TensorParallelGroup())
             try:
@@ -60,8 +60,8 @@ class _SingleRankDrafter:
 
 
 def _runner(path: str, split):
-    from workers.model_runner import ModelRunner, RunnerConfig
-    from workers.model_source import ModelFiles, load_config
+    from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+    from shardserve.workers.model_source import ModelFiles, load_config
 
     files = ModelFiles(Path(path).name, Path(path))
     return ModelRunner(files, load_config(files), RunnerConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
@@ -71,11 +71,11 @@ def _runner(path: str, split):
 def _generate(runner, path: str, k: int, group, batch: list[list[int]]) -> tuple[list[list[int]], int, int]:
     """Rank 0: an engine core over the TP=2 executor; returns (tokens per prompt, free blocks,
     draft tokens verified)."""
-    from cluster.engine import EngineCore
-    from cluster.scheduler import SchedulerConfig
-    from cluster.speculative import Speculator
-    from cluster.tokenizer import eos_token_ids, load_tokenizer
-    from workers.draft_worker import DraftWorker
+    from shardserve.cluster.engine import EngineCore
+    from shardserve.cluster.scheduler import SchedulerConfig
+    from shardserve.cluster.speculative import Speculator
+    from shardserve.cluster.tokenizer import eos_token_ids, load_tokenizer
+    from shardserve.workers.draft_worker import DraftWorker
 
     files = runner_files(path)
     speculator = None
@@ -96,15 +96,15 @@ def _generate(runner, path: str, k: int, group, batch: list[list[int]]) -> tuple
 
 
 def runner_files(path: str):
-    from workers.model_source import ModelFiles
+    from shardserve.workers.model_source import ModelFiles
 
     return ModelFiles(Path(path).name, Path(path))
 
 
 def _worker(rank: int, port: int, jobs: list[tuple[str, str]], out_path: str) -> None:
     torch.set_num_threads(1)
-    from workers.comm_cpu import GlooGroup
-    from workers.distributed import set_tp_group
+    from shardserve.workers.comm_cpu import GlooGroup
+    from shardserve.workers.distributed import set_tp_group
 
     group = GlooGroup(rank, 2, f"tcp://127.0.0.1:{port}")
     set_tp_group(group)

@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as QT
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from workers.checkpoint import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, open_checkpoint, unpermute_llama_qk
-from workers.weight_loader import build_model
+from shardserve.workers.checkpoint import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, open_checkpoint, unpermute_llama_qk
+from shardserve.workers.weight_loader import build_model
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)

@@ -9,8 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from procs import free_port
-from workers.comm_cpu import GlooGroup, SharedMemoryGroup, SharedMemorySegment
-from workers.distributed import TensorParallelGroup, collective_kind
+from shardserve.workers.comm_cpu import GlooGroup, SharedMemoryGroup, SharedMemorySegment
+from shardserve.workers.distributed import TensorParallelGroup, collective_kind
 
 WORLD = 3
 SIZES = [3, 1, 2]  # uneven all-gather widths per rank
@@ -115,6 +115,6 @@ def test_single_rank_group_is_identity_and_backend_choice():
 
 
 def test_nccl_backend_imports_without_cupy():
-    import workers.comm_nccl as nccl  # cupy is imported lazily, on first use on a GPU
+    import shardserve.workers.comm_nccl as nccl  # cupy is imported lazily, on first use on a GPU
 
     assert issubclass(nccl.CupyNcclGroup, TensorParallelGroup)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from workers.messages import SamplingOptions
-from workers.sampler import filter_logits, sample
+from shardserve.workers.messages import SamplingOptions
+from shardserve.workers.sampler import filter_logits, sample
 
 
 def naive_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

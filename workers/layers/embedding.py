@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.checkpoint import LazyTensor
-from workers.distributed import get_tp_group
-from workers.layers.linear import _check_shape
+from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.layers.linear import _check_shape
 
 
 class VocabParallelEmbedding(nn.Module):

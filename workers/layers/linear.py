@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.checkpoint import LazyTensor
-from workers.distributed import get_tp_group
+from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.distributed import get_tp_group
 
 
 def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
-    from workers.checkpoint import CheckpointError
+    from shardserve.workers.checkpoint import CheckpointError
 
     if tensor.shape[dim] != expected:
         raise CheckpointError(

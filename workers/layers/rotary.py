@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``x [T, heads, rot_dim]`` by the angles of ``positions [T]``."""
-        from kernels import apply_rotary
+        from shardserve.kernels import apply_rotary
 
         cos, sin = self.cos[positions], self.sin[positions]
         return tuple(apply_rotary(x, cos, sin, self.interleaved) for x in xs)

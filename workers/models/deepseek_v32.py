@@ -23,16 +23,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.distributed import get_tp_group
-from workers.forward_context import get_attention_metadata
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.models.dsa_indexer import DSAIndexer
-from workers.models.mla import MLAAttention
-from workers.models.moe import DeepseekMoE, GatedMLP
-from workers.models.paged_batch import PagedBatch
-from workers.partition import split_units
+from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.forward_context import get_attention_metadata
+from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.workers.layers.norm import RMSNorm
+from shardserve.workers.layers.rotary import RotaryEmbedding
+from shardserve.workers.models.dsa_indexer import DSAIndexer
+from shardserve.workers.models.mla import MLAAttention
+from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
+from shardserve.workers.models.paged_batch import PagedBatch
+from shardserve.workers.partition import split_units
 
 
 def _option(explicit, config, name: str, default):

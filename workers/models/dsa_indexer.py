@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import apply_rotary, indexer_topk, store_cache
-from kernels.hadamard import hadamard_transform
-from kernels.indexer import fp8_row_bytes, quantize_index_keys
-from workers.forward_context import AttentionMetadata
-from workers.layers.linear import ColumnParallelLinear
+from shardserve.kernels import apply_rotary, indexer_topk, store_cache
+from shardserve.kernels.hadamard import hadamard_transform
+from shardserve.kernels.indexer import fp8_row_bytes, quantize_index_keys
+from shardserve.workers.forward_context import AttentionMetadata
+from shardserve.workers.layers.linear import ColumnParallelLinear
 
 def selection_mask(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
     """``[T, k]`` int positions (``-1`` = padding) -> ``[T, num_keys]`` bool (True = selected)."""

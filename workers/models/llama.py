@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import paged_attention, silu_and_mul, store_kv
-from workers.distributed import get_tp_group
-from workers.forward_context import get_attention_metadata
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.partition import split_units
+from shardserve.kernels import paged_attention, silu_and_mul, store_kv
+from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.forward_context import get_attention_metadata
+from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.workers.layers.norm import RMSNorm
+from shardserve.workers.layers.rotary import RotaryEmbedding
+from shardserve.workers.partition import split_units
 
 
 class LlamaAttention(nn.Module):

@@ -24,14 +24,14 @@ import math
 import torch
 from torch import nn
 
-from kernels import apply_rotary, store_cache
-from kernels.mla_attention import mla_attention
-from workers.forward_context import get_attention_metadata
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.models.dsa_indexer import DSAIndexer, selection_mask
-from workers.models.paged_batch import PagedBatch
+from shardserve.kernels import apply_rotary, store_cache
+from shardserve.kernels.mla_attention import mla_attention
+from shardserve.workers.forward_context import get_attention_metadata
+from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.workers.layers.norm import RMSNorm
+from shardserve.workers.layers.rotary import RotaryEmbedding
+from shardserve.workers.models.dsa_indexer import DSAIndexer, selection_mask
+from shardserve.workers.models.paged_batch import PagedBatch
 
 
 def mla_softmax_scale(config) -> float:

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_moe, silu_and_mul
-from workers.checkpoint import LazyTensor
-from workers.distributed import get_tp_group
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.kernels import fused_moe, silu_and_mul
+from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):

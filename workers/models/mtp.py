@@ -24,17 +24,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.checkpoint import Checkpoint, CheckpointError
-from workers.forward_context import get_attention_metadata
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.linear import ColumnParallelLinear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.models.deepseek_v32 import DeepseekDecoderLayer, DeepseekV32ForCausalLM, _option
-from workers.models.dsa_indexer import DSAIndexer
-from workers.models.mla import MLAAttention
-from workers.models.moe import DeepseekMoE, GatedMLP
-from workers.models.paged_batch import PagedBatch
+from shardserve.workers.checkpoint import Checkpoint, CheckpointError
+from shardserve.workers.forward_context import get_attention_metadata
+from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.workers.layers.linear import ColumnParallelLinear
+from shardserve.workers.layers.norm import RMSNorm
+from shardserve.workers.layers.rotary import RotaryEmbedding
+from shardserve.workers.models.deepseek_v32 import DeepseekDecoderLayer, DeepseekV32ForCausalLM, _option
+from shardserve.workers.models.dsa_indexer import DSAIndexer
+from shardserve.workers.models.mla import MLAAttention
+from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
+from shardserve.workers.models.paged_batch import PagedBatch
 
 
 def num_mtp_layers(config) -> int:
@@ -120,7 +120,7 @@ class DeepseekMTPModel(nn.Module):
         if num_mtp_layers(config) < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers is 0 or unset); "
                              "speculative decoding needs them")
-        from workers.models.registry import model_class
+        from shardserve.workers.models.registry import model_class
 
         self.config = config
         self.layer_idx = config.num_hidden_layers
@@ -173,8 +173,8 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
         ValueError: no MTP layer in the checkpoint.
         CheckpointError: a tensor is missing or has the wrong shape.
     """
-    from workers.fp8 import dequantizing_checkpoint
-    from workers.weight_loader import checkpoint_sources, default_weight_loader
+    from shardserve.workers.fp8 import dequantizing_checkpoint
+    from shardserve.workers.weight_loader import checkpoint_sources, default_weight_loader
 
     ckpt = dequantizing_checkpoint(ckpt, config)
     names = set(ckpt.names())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.forward_context import AttentionMetadata
+from shardserve.workers.forward_context import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.models.deepseek_v32 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
-from workers.models.llama import LlamaForCausalLM
+from shardserve.workers.models.deepseek_v32 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+from shardserve.workers.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
