@@ -228,6 +228,39 @@ class EngineCore:
         finally:
             self.release_probe(probe)
 
+    # -- weight reload and recovery --------------------------------------------------------------
+    def has_started(self) -> bool:
+        """Whether a request is running or waits after a preemption with output already sent."""
+        return bool(self.scheduler.running) or any(r.num_output_tokens for r in self.scheduler.waiting)
+
+    def interrupt_started(self, message: str) -> list[RequestOutput]:
+        """Abort every request that has produced output (``finish_reason="abort"``, ``error=message``)
+        and send running ones that have not back to the waiting queue (recomputed later, unseen)."""
+        outputs = []
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if not request.num_output_tokens:
+                if request.status == RequestStatus.RUNNING:
+                    self.scheduler.requeue(request)
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            del self.requests[request.request_id]
+            outputs.append(RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
+                                         request.num_output_tokens, error=message))
+        return outputs
+
+    def drop_cached_prefixes(self) -> None:
+        """Forget every prefix-cache hash (their KV was computed with other weights or lost)."""
+        assert not self.has_started(), "prefix caches are dropped only when nothing runs"
+        self.block_manager.reset_prefix_cache()
+
+    def reset_after_worker_loss(self) -> None:
+        """After :meth:`fail_all` and a repair of the workers, whose per-request state and caches are
+        gone: drop prefix hashes and the state kept about what the workers know."""
+        self.scheduler.forget_workers_state()
+        self.block_manager.reset_prefix_cache()
+        if self.speculator is not None:
+            self.speculator.reset()
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with ``finish_reason="error"`` (e.g. a worker died)."""
         outputs = []

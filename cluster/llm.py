@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine import EngineCore
 from shardserve.cluster.request import Logprob, SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.model_source import load_config, resolve_model
 
 
@@ -61,6 +64,28 @@ class LLM:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
             args.enable_prefix_caching, speculator=speculator)
+        self.weights_version = 1   # +1 per reload that changed a tensor
+
+    def reload_weights(self, model: str | None = None) -> ReloadResult:
+        """Hot-swap the weights that changed, in place, between :meth:`generate` calls (see
+        :mod:`cluster.weight_swap`); the prefix cache and every KV / indexer / draft cache are dropped.
+
+        Args:
+            model: the new checkpoint (default: the served files, changed on disk).
+
+        Raises:
+            InvalidCheckpoint: it cannot replace the served weights (nothing was changed).
+        """
+        started = time.monotonic()
+        owners = [self.runner] + ([self.drafter] if self.drafter is not None else [])
+        shapes = {name: shape for owner in owners for name, shape in owner.weight_record.shapes.items()}
+        served = CheckpointManifest.from_config(self.files.path, self.hf_config, shapes)
+        files, _ = check_replacement(served, model or str(self.files.path))
+        changed, unchanged = swap_weights([LocalHolder(owners)], files)
+        self.core.drop_cached_prefixes()
+        self.files = files
+        self.weights_version += bool(changed)
+        return ReloadResult(len(changed), len(unchanged), time.monotonic() - started, self.weights_version)
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a raw prompt (str), a chat (list of messages), or ids as given."""

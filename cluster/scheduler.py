@@ -45,6 +45,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []   # to tell the workers in the next plan
+        # False while a weight reload drains: only requests that already produced output (preempted
+        # ones, queued at the front) are admitted; fresh ones wait and run on the new weights.
+        self.admit_new = True
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -70,6 +73,16 @@ class Scheduler:
     def forget_on_workers(self, request_id: str) -> None:
         """Have the next plan tell the workers to drop ``request_id``'s state."""
         self._finished_ids.append(request_id)
+
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to the front of the waiting queue; its blocks are freed and it
+        is recomputed from its first token when admitted again."""
+        self.running.remove(request)
+        self._preempt(request)
+
+    def forget_workers_state(self) -> None:
+        """The workers lost every request's state (a rank was replaced): nothing left to tell them."""
+        self._finished_ids = []
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -105,6 +118,8 @@ class Scheduler:
             break
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self.admit_new and not request.num_output_tokens:
+                break
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             if self.config.num_speculative_tokens and hits:
                 hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_manager.block_size

@@ -149,6 +149,11 @@ class Speculator:
         self._num_sent_blocks: dict[str, int] = {}   # requests the draft worker knows: blocks it has
         self._pending_finished: list[str] = []
 
+    def reset(self) -> None:
+        """Forget what the draft worker knows (it was replaced or reset; no request is left)."""
+        self._num_sent_blocks.clear()
+        self._pending_finished = []
+
     def record(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Count accepted drafts (before any stop truncates the run)."""
         emitted = Counter(s.req_id for s in result.sampled)

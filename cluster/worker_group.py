@@ -10,9 +10,11 @@ trip per step) or plain actor calls; both send the same StepPlan to every rank a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -61,6 +63,8 @@ class WorkerGroup:
                  max_batched_tokens: int, max_num_seqs: int,
                  placement: tuple[PlacementGroup, int] | None = None) -> None:
         self.config = config
+        self.files, self.hf_config, self.runner_config = files, hf_config, runner_config
+        self._max_sizes = (max_batched_tokens, max_num_seqs)
         tp = config.tensor_parallel_size
         self._own_pg = None
         if placement is None:
@@ -68,21 +72,12 @@ class WorkerGroup:
             self._own_pg = placement_group([dict(bundle) for _ in range(tp)], strategy=config.strategy)
             ray.get(self._own_pg.ready(), timeout=120)
             placement = (self._own_pg, 0)
-        pg, offset = placement
-        remote_cls = ray.remote(ShardWorker)
-        threads = max(1, int(config.cpus_per_worker))
-        self.workers = [
-            remote_cls.options(
-                num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                     placement_group_bundle_index=offset + rank),
-            ).remote(rank, tp, threads)
-            for rank in range(tp)
-        ]
+        self._placement = placement
+        self.workers = [self._spawn(rank) for rank in range(tp)]
         self._segment = None
         self._dag = None
         try:
-            self.collective = self._init_collective(hf_config, runner_config, max_batched_tokens, max_num_seqs)
+            self.collective = self._init_collective()
             infos = ray.get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
         except Exception as exc:
             self.shutdown()
@@ -97,12 +92,33 @@ class WorkerGroup:
         if config.dispatch == "compiled":
             self._compile()
 
-    def _init_collective(self, hf_config, runner_config: RunnerConfig, max_tokens: int, max_seqs: int) -> str:
+    def _spawn(self, rank: int):
+        """A new (not yet loaded) ShardWorker actor for ``rank`` in its own bundle."""
+        pg, offset = self._placement
+        config = self.config
+        return ray.remote(ShardWorker).options(
+            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=offset + rank),
+        ).remote(rank, config.tensor_parallel_size, max(1, int(config.cpus_per_worker)))
+
+    def bundle_index(self, rank: int) -> int:
+        """The placement-group bundle that rank ``rank`` (and any replacement of it) runs in."""
+        return self._placement[1] + rank
+
+    def _init_collective(self, timeout_s: float | None = None) -> str:
+        """Form a new communicator over the current actors (a new shm segment, gloo port or NCCL id).
+
+        Raises:
+            GetTimeoutError: some rank did not answer within ``timeout_s`` (e.g. not scheduled yet).
+        """
         tp = self.config.tensor_parallel_size
+        hf_config, runner_config = self.hf_config, self.runner_config
+        max_tokens, max_seqs = self._max_sizes
         if tp == 1:
-            ray.get(self.workers[0].init_group.remote("none", {}))
+            ray.get(self.workers[0].init_group.remote("none", {}), timeout=timeout_s)
             return "none"
-        nodes = ray.get([w.node_address.remote() for w in self.workers])
+        nodes = ray.get([w.node_address.remote() for w in self.workers], timeout=timeout_s)
         same_node = len({node for node, _ in nodes}) == 1
         device = "cuda" if self.config.gpus_per_worker else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
@@ -114,11 +130,12 @@ class WorkerGroup:
             self._segment = SharedMemorySegment(tp, max_floats)
             info = {"name": self._segment.name, "max_floats": max_floats}
         elif kind == "gloo":
-            port = ray.get(self.workers[0].free_port.remote())
+            port = ray.get(self.workers[0].free_port.remote(), timeout=timeout_s)
             info = {"init_method": f"tcp://{nodes[0][1]}:{port}"}
         else:
-            info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote())}
-        ray.get([w.init_group.remote(kind, info) for w in self.workers])  # concurrent: ranks rendezvous
+            info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote(), timeout=timeout_s)}
+        # concurrent: ranks rendezvous
+        ray.get([w.init_group.remote(kind, info) for w in self.workers], timeout=timeout_s)
         return kind
 
     def _compile(self) -> None:
@@ -148,25 +165,130 @@ class WorkerGroup:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
             raise WorkerDiedError(f"shard worker failed: {type(exc).__name__}: {exc}") from exc
 
-    def shutdown(self) -> None:
-        """Tear down the graph, stop the ranks and free the placement group. Idempotent."""
+    # -- recovery ---------------------------------------------------------------------------------
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks whose actor died, or that do not answer within ``timeout_s`` (stuck in a collective
+        with a dead peer: those are replaced too)."""
+        return unresponsive([w.status.remote() for w in self.workers], timeout_s)
+
+    def repair(self, dead: list[int], timeout_s: float) -> list[dict]:
+        """Bring the group back in place after a rank failed (NOTE: no step may run meanwhile).
+
+        Only the ``dead`` ranks get new actors, in their own bundles, and load their own slices;
+        the surviving ranks keep their weights in memory, forget their requests and zero their
+        caches; every rank joins a new communicator (a new shm segment, gloo rendezvous or NCCL id).
+
+        Returns:
+            the new ranks' load info (``pid``, ``weight_bytes``, ...), in ``dead`` order.
+
+        Raises:
+            TimeoutError: within ``timeout_s`` a new rank was not placed (its node is gone and Ray
+                has not rescheduled the bundle yet) or did not load; the new actors are stopped.
+            WorkerDiedError: a rank failed while re-forming the group.
+        """
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        self._teardown_dag()
+        if self._segment is not None:
+            self._segment.abort()   # survivors still spinning on the dead peer give up now
+        for rank in dead:
+            ray.kill(self.workers[rank], no_restart=True)
+            self.workers[rank] = self._spawn(rank)
+        survivors = [rank for rank in range(self.config.tensor_parallel_size) if rank not in dead]
+        try:
+            ray.get([self.workers[rank].leave_group.remote() for rank in survivors], timeout=left())
+            self._close_segment()
+            self.collective = self._init_collective(left())
+            infos = ray.get([self.workers[rank].load.remote(self.files, self.hf_config, self.runner_config)
+                             for rank in dead], timeout=left())
+            short = [(rank, info["max_num_blocks"]) for rank, info in zip(dead, infos)
+                     if info["max_num_blocks"] < self.num_blocks]
+            if short:
+                raise WorkerDiedError(f"replacement rank {short[0][0]} holds {short[0][1]} KV blocks, "
+                                      f"the group uses {self.num_blocks}")
+            sizes = ray.get([self.workers[rank].allocate_kv_cache.remote(self.num_blocks) for rank in dead],
+                            timeout=left())
+            ray.get([self.workers[rank].reset_state.remote() for rank in survivors], timeout=left())
+        except GetTimeoutError as exc:
+            for rank in dead:
+                ray.kill(self.workers[rank], no_restart=True)
+            raise TimeoutError(f"replacement of rank(s) {dead} not placed and loaded within {timeout_s:.0f} s "
+                               "(is its node gone?)") from exc
+        except RayError as exc:
+            raise WorkerDiedError(f"repairing the group failed: {type(exc).__name__}: {exc}") from exc
+        for rank, info, nbytes in zip(dead, infos, sizes):
+            info["cache_bytes"] = nbytes
+            self.rank_info[rank] = info
+        if self.config.dispatch == "compiled":
+            self._compile()
+        return infos
+
+    # -- weight reload (see workers/weight_reload.py) -----------------------------------------------
+    def stage_reload(self, files: ModelFiles) -> list[dict]:
+        """Every rank reads ``files`` and keeps the tensors that changed in its slices.
+
+        Raises:
+            CheckpointError: a rank could not read a tensor (nothing changed anywhere).
+            WorkerDiedError: a rank died.
+        """
+        return self._call_all("stage_reload", files)
+
+    def commit_reload(self, files: ModelFiles) -> None:
+        """Every rank copies its staged tensors into its parameters and resets its caches; later
+        replacements of a rank load ``files``."""
+        self._call_all("commit_reload")
+        self.files = files
+
+    def discard_reload(self) -> None:
+        """Every rank drops what it staged (best effort: a dead rank has nothing to drop)."""
+        ray.wait([w.discard_reload.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
+
+    def _call_all(self, method: str, *args) -> list:
+        try:
+            return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        except RayActorError as exc:
+            raise WorkerDiedError(f"shard worker died during {method}: {exc}") from exc
+
+    # -- teardown ------------------------------------------------------------------------------------
+    def _teardown_dag(self) -> None:
         if self._dag is not None:
             try:
                 self._dag.teardown()
             except Exception:  # noqa: BLE001 - a dead actor makes teardown complain; we kill anyway
                 pass
             self._dag = None
+
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def shutdown(self) -> None:
+        """Tear down the graph, stop the ranks and free the placement group. Idempotent."""
+        self._teardown_dag()
         if self._segment is not None:
             self._segment.abort()
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        self._close_segment()
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+def unresponsive(status_refs: list, timeout_s: float) -> list[int]:
+    """Indices of ``status`` calls that failed or did not answer within ``timeout_s``."""
+    ready, _ = ray.wait(status_refs, num_returns=len(status_refs), timeout=timeout_s)
+    done, dead = set(ready), []
+    for index, ref in enumerate(status_refs):
+        try:
+            if ref not in done:
+                raise GetTimeoutError(f"no answer within {timeout_s} s")
+            ray.get(ref)
+        except RayError:
+            dead.append(index)
+    return dead
 
 
 class RemoteDrafter:
@@ -185,16 +307,24 @@ class RemoteDrafter:
 
     def __init__(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int, config: GroupConfig,
                  placement: tuple[PlacementGroup, int] | None = None, seed: int = 0) -> None:
-        options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
+        self.files, self.hf_config, self.block_size, self.num_blocks = files, hf_config, block_size, num_blocks
+        self.seed, self.placement = seed, placement
+        self._options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
         if placement is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            self._options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement[0], placement_group_bundle_index=placement[1])
-        self.actor = ray.remote(DraftWorker).options(**options).remote(max(1, int(config.cpus_per_worker)))
+        self._threads = max(1, int(config.cpus_per_worker))
+        self.actor = None
         try:
-            self.info = ray.get(self.actor.load.remote(files, hf_config, block_size, num_blocks, seed=seed))
+            self._start(None)
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"draft worker failed to start: {exc}") from exc
+
+    def _start(self, timeout_s: float | None) -> None:
+        self.actor = ray.remote(DraftWorker).options(**self._options).remote(self._threads)
+        self.info = ray.get(self.actor.load.remote(self.files, self.hf_config, self.block_size, self.num_blocks,
+                                                   seed=self.seed), timeout=timeout_s)
 
     def propose(self, batch: DraftBatch) -> DraftResult:
         """Run one drafting pass on the actor.
@@ -206,6 +336,51 @@ class RemoteDrafter:
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
             raise WorkerDiedError(f"draft worker failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- recovery and weight reload --------------------------------------------------------------------
+    def is_dead(self, timeout_s: float = 10.0) -> bool:
+        """Whether the actor died or does not answer within ``timeout_s``."""
+        return bool(unresponsive([self.actor.status.remote()], timeout_s))
+
+    def repair(self, dead: bool, timeout_s: float) -> bool:
+        """Replace a dead actor in its own bundle (it loads the MTP weights), or have a live one
+        forget its requests and zero its caches. Returns whether a new actor was started.
+
+        Raises:
+            TimeoutError: the new actor was not placed and loaded within ``timeout_s`` (stopped).
+            WorkerDiedError: the actor failed.
+        """
+        try:
+            if not dead:
+                ray.get(self.actor.reset_state.remote(), timeout=timeout_s)
+                return False
+            ray.kill(self.actor, no_restart=True)
+            self._start(timeout_s)
+            return True
+        except GetTimeoutError as exc:
+            self.shutdown()
+            raise TimeoutError(f"draft worker not placed and loaded within {timeout_s:.0f} s") from exc
+        except RayError as exc:
+            raise WorkerDiedError(f"draft worker failed during repair: {type(exc).__name__}: {exc}") from exc
+
+    def stage_reload(self, files: ModelFiles) -> list[dict]:
+        """Like :meth:`WorkerGroup.stage_reload`, for the MTP weights."""
+        try:
+            return [ray.get(self.actor.stage_reload.remote(files))]
+        except RayActorError as exc:
+            raise WorkerDiedError(f"draft worker died during stage_reload: {exc}") from exc
+
+    def commit_reload(self, files: ModelFiles) -> None:
+        """Like :meth:`WorkerGroup.commit_reload`."""
+        try:
+            ray.get(self.actor.commit_reload.remote())
+        except RayActorError as exc:
+            raise WorkerDiedError(f"draft worker died during commit_reload: {exc}") from exc
+        self.files = files
+
+    def discard_reload(self) -> None:
+        """Drop a staged reload (best effort)."""
+        ray.wait([self.actor.discard_reload.remote()], timeout=30)
 
     def shutdown(self) -> None:
         """Stop the actor. Idempotent."""

@@ -22,13 +22,13 @@ import os
 
 import torch
 
-from shardserve.workers.checkpoint import open_checkpoint
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import DraftBatch, DraftProposal, DraftResult
 from shardserve.workers.model_runner import RequestState, allocate_caches, apply_request_diffs
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.models.mtp import build_mtp_model
 from shardserve.workers.sampler import draft_sample
+from shardserve.workers.weight_reload import ReloadableRank, open_digesting
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ def paged_metadata(start_pos: list[int], num_tokens: list[int], tables: list[lis
         max_query_len=max(num_tokens), max_seq_len=max(seq_lens))
 
 
-class DraftWorker:
-    """Owns the MTP module and its caches; proposes draft tokens.
+class DraftWorker(ReloadableRank):
+    """Owns the MTP module and its caches; proposes draft tokens (recovery and weight-reload
+    calls come from :class:`ReloadableRank`).
 
     Args:
         num_threads: torch intra-op threads (the CPUs reserved for the draft).
@@ -64,7 +65,8 @@ class DraftWorker:
     def __init__(self, num_threads: int | None = None) -> None:
         if num_threads:
             torch.set_num_threads(max(1, num_threads))
-        self.model = None
+        self.model, self.hf_config = None, None
+        self.weight_record = None
         self.requests: dict[str, RequestState] = {}
         self.block_size = 0
         self.num_blocks = 0
@@ -76,18 +78,23 @@ class DraftWorker:
         caches share its block ids).
 
         Returns:
-            ``{"weight_bytes", "cache_bytes", "pid"}``.
+            ``{"weight_bytes", "cache_bytes", "pid", "fingerprint", "shapes"}`` (see
+            :class:`workers.weight_reload.WeightRecord`).
 
         Raises:
             ValueError: the checkpoint has no MTP layer.
         """
-        self.model, weight_bytes = build_mtp_model(hf_config, open_checkpoint(files.path), dtype)
+        ckpt = open_digesting(files.path, hf_config)   # digests of the MTP weights: weight reloads
+        self.model, weight_bytes = build_mtp_model(hf_config, ckpt, dtype)
+        self.hf_config, self.weight_record = hf_config, ckpt.record
+        self.weight_loads += 1
         self.block_size, self.num_blocks = block_size, num_blocks
         self.generator.manual_seed(seed + 1)
         cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, block_size)
         logger.info("draft (MTP): weights %.1f MiB, caches %.1f MiB in %d blocks", weight_bytes / 2**20,
                     cache_bytes / 2**20, num_blocks)
-        return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid()}
+        return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid(),
+                "fingerprint": ckpt.record.fingerprint(), "shapes": dict(ckpt.record.shapes)}
 
     def _apply(self, batch: DraftBatch) -> None:
         apply_request_diffs(self.requests, batch.finished_req_ids, batch.new_requests, batch.scheduled)
@@ -147,6 +154,9 @@ class DraftWorker:
         for req_id, (tokens, probs) in drafts.items():
             proposals.append(DraftProposal(req_id, tokens, None if probs[0] is None else torch.stack(probs)))
         return DraftResult(proposals)
+
+    def _weights(self) -> DraftWorker:
+        return self
 
     def shutdown(self) -> None:
         """Nothing to release (kept for symmetry with ShardWorker)."""

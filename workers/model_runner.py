@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.workers.checkpoint import open_checkpoint
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
 from shardserve.workers.weight_loader import build_model
+from shardserve.workers.weight_reload import open_digesting
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ class ModelRunner:
     def __init__(self, files: ModelFiles, hf_config, config: RunnerConfig, progress: bool = True) -> None:
         self.config = config
         self.hf_config = hf_config
-        self.model, self.weight_bytes = build_model(hf_config, open_checkpoint(files.path),
-                                                    config.tensor_split, config.dtype, progress)
+        ckpt = open_digesting(files.path, hf_config)   # digests of this rank's slices: weight reloads
+        self.model, self.weight_bytes = build_model(hf_config, ckpt, config.tensor_split, config.dtype, progress)
+        self.weight_record = ckpt.record
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator().manual_seed(config.seed)

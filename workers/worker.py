@@ -16,12 +16,13 @@ from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
 from shardserve.workers.messages import StepPlan, StepResult
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.weight_reload import ReloadableRank
 
 logger = logging.getLogger(__name__)
 
 
-class ShardWorker:
-    """One TP rank.
+class ShardWorker(ReloadableRank):
+    """One TP rank (recovery and weight-reload calls come from :class:`ReloadableRank`).
 
     Args:
         tp_rank, tp_size: this rank.
@@ -78,12 +79,16 @@ class ShardWorker:
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid"}`` for the coordinator,
-            which then calls :meth:`allocate_kv_cache` with the smallest block count of any rank.
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "fingerprint", "shapes"}``
+            for the coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block
+            count of any rank (fingerprint and shapes: see :class:`workers.weight_reload.WeightRecord`).
         """
         self.runner = ModelRunner(files, hf_config, config, progress=False)
+        self.weight_loads += 1
+        record = self.runner.weight_record
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid()}
+                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "fingerprint": record.fingerprint(),
+                "shapes": dict(record.shapes)}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate the paged caches; returns their bytes on this rank."""
@@ -101,6 +106,18 @@ class ShardWorker:
             result.collective_s = self.group.collective_s - collective_before
         return result
 
-    def shutdown(self) -> None:
+    def _weights(self) -> ModelRunner:
+        return self.runner
+
+    def leave_group(self) -> None:
+        """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins
+        the new one)."""
         if self.group is not None:
-            self.group.close()
+            try:
+                self.group.close()
+            except BufferError:   # a tensor still views the old shared memory; it goes with the process
+                pass
+            self.group = None
+
+    def shutdown(self) -> None:
+        self.leave_group()

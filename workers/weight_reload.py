@@ -1,0 +1,261 @@
+"""Hot-swap of changed weights on one rank (shard worker or MTP draft worker).
+
+ik_llama.cpp (one of the seed PRs) reloads only the tensors whose contents changed in the file, in
+one process; its follow-ups had to add tensor shape validation and invalidate CUDA graphs after a
+swap. Here the same idea runs on every rank of a tensor-parallel replica, and each rank compares
+only its own slices:
+
+- A rank's *digest* of a checkpoint read is xxh3-64 over the bytes the read returned, keyed by
+  ``(tensor name, index)``: exactly the slice this rank loaded (its rows of a column-parallel
+  weight, its experts, the whole tensor for a replicated one). Digests are taken while the
+  weights load (:class:`DigestingCheckpoint`), so a later reload needs no second copy of the model.
+- :func:`stage_weights` reads every parameter of the new checkpoint through its own
+  ``weight_loader`` into a host scratch tensor, keeps the scratch only when a read's digest
+  differs, and writes nothing into the model. :meth:`StagedWeights.commit` then copies the kept
+  tensors into the existing parameter storage (``param.data.copy_``): no reallocation, so data
+  pointers (and CUDA graphs captured on them) stay valid.
+- The coordinator stages on every rank first and commits only when all of them staged, so a read
+  that fails anywhere leaves the old weights in place byte for byte.
+
+NOTE: everything computed with the old weights (KV / latent, DSA indexer keys, MTP draft caches,
+the prefix cache's hashes) is stale after a commit; :func:`reset_caches` zeroes a model's cache
+tensors in place and the coordinator drops the prefix cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+from torch import nn
+
+from shardserve.workers.checkpoint import Checkpoint, LazyTensor, open_checkpoint
+
+ReadKey = tuple[str, str]   # (checkpoint tensor name, repr of the index this rank read)
+
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """xxh3-64 of a CPU tensor's bytes (any dtype, any shape)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
+
+
+@dataclass(slots=True)
+class WeightRecord:
+    """What a rank loaded: a digest per read and the shape of every tensor it read.
+
+    Attributes:
+        digests: ``(name, repr(index)) -> xxh3-64`` of the bytes each read returned.
+        shapes: checkpoint tensor name -> shape (the served checkpoint, as far as the model reads it).
+    """
+
+    digests: dict[ReadKey, int] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _fingerprint: int | None = None
+
+    def fingerprint(self) -> int:
+        """One xxh3-64 over every read digest (order-independent): equal fingerprints mean the
+        same bytes were loaded."""
+        if self._fingerprint is None:
+            h = xxhash.xxh3_64()
+            for key in sorted(self.digests):
+                h.update(f"{key[0]}\0{key[1]}\0{self.digests[key]}\n".encode())
+            self._fingerprint = h.intdigest()
+        return self._fingerprint
+
+
+class DigestingCheckpoint(Checkpoint):
+    """A view of ``inner`` that records every read in :attr:`record` (see the module docstring).
+
+    Attributes:
+        record: digests and shapes of everything read so far.
+        reads: the keys read since the last :meth:`take_reads`, in order.
+    """
+
+    def __init__(self, inner: Checkpoint) -> None:
+        self.inner, self.path = inner, inner.path
+        self.record = WeightRecord()
+        self.reads: list[ReadKey] = []
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inner
+
+    def get(self, name: str) -> LazyTensor:
+        tensor = self.inner.get(name)
+        self.record.shapes[name] = tuple(tensor.shape)
+
+        def read(index: tuple) -> torch.Tensor:
+            out = tensor[index]
+            key = (name, repr(index))
+            self.record.digests[key] = tensor_digest(out)
+            self.reads.append(key)
+            return out
+
+        return LazyTensor(name, tensor.file, tensor.shape, read)
+
+    def take_reads(self) -> list[ReadKey]:
+        """The keys read since the previous call."""
+        reads, self.reads = self.reads, []
+        return reads
+
+
+def open_digesting(path: str | os.PathLike, hf_config) -> DigestingCheckpoint:
+    """Open a checkpoint for loading with digests (FP8 block-scaled weights read dequantized, so
+    the digest covers what the parameter receives).
+
+    Raises:
+        CheckpointError: the files cannot be opened.
+    """
+    from shardserve.workers.fp8 import dequantizing_checkpoint
+
+    return DigestingCheckpoint(dequantizing_checkpoint(open_checkpoint(path), hf_config))
+
+
+def param_sources(model: nn.Module, ckpt: Checkpoint) -> Iterator[tuple[str, nn.Parameter, list[tuple[str, int]]]]:
+    """``(parameter name, parameter, [(checkpoint tensor, shard id)])`` for every parameter, with the
+    names the model's loader uses (``checkpoint_name`` of a draft model, packed modules unpacked)."""
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    names = set(ckpt.names())
+    rename = getattr(model, "checkpoint_name", None)
+    for name, param in model.named_parameters():
+        key = rename(name, names) if rename is not None else name
+        yield name, param, checkpoint_sources(model, key, ckpt, param)
+
+
+@dataclass(slots=True)
+class StagedWeights:
+    """A reload read and compared, not yet applied.
+
+    Attributes:
+        updates: ``(parameter, host tensor with its new contents)`` for every changed parameter.
+        changed: checkpoint tensors with at least one read whose digest changed.
+        read: every checkpoint tensor this rank read.
+        record: the digests and shapes to keep after a commit.
+    """
+
+    updates: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    changed: set[str] = field(default_factory=set)
+    read: set[str] = field(default_factory=set)
+    record: WeightRecord = field(default_factory=WeightRecord)
+
+    @torch.no_grad()
+    def commit(self) -> int:
+        """Copy every staged tensor into its parameter's existing storage; returns bytes copied."""
+        copied = 0
+        for param, new in self.updates:
+            pointer = param.data.data_ptr()
+            param.data.copy_(new)
+            assert param.data.data_ptr() == pointer, "a weight reload must not reallocate parameter storage"
+            copied += new.numel() * new.element_size()
+        self.updates = []
+        return copied
+
+
+@torch.no_grad()
+def stage_weights(model: nn.Module, ckpt: DigestingCheckpoint, old: WeightRecord) -> StagedWeights:
+    """Read ``ckpt`` for every parameter of ``model`` into host scratch tensors and keep those
+    whose reads changed (see the module docstring). The model is not touched.
+
+    Args:
+        model: the loaded model (its parameters' ``weight_loader`` read the slices).
+        ckpt: the new checkpoint, opened with :func:`open_digesting`.
+        old: what was recorded when the current weights were loaded.
+
+    Raises:
+        CheckpointError: a tensor is missing, has the wrong shape, or cannot be read.
+    """
+    from shardserve.workers.weight_loader import default_weight_loader
+
+    staged = StagedWeights()
+    ckpt.take_reads()
+    for _, param, sources in param_sources(model, ckpt):
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        # Host copy of the current contents: a loader that fills only part of a parameter leaves
+        # the rest as it is, exactly as in the model. The model itself is untouched.
+        scratch = param.detach().to("cpu", copy=True)
+        for ckpt_name, shard_id in sources:
+            loader(scratch, ckpt.require(ckpt_name), shard_id)
+        changed = {key[0] for key in ckpt.take_reads() if ckpt.record.digests[key] != old.digests.get(key)}
+        staged.read.update(name for name, _ in sources)
+        if changed:
+            staged.changed |= changed
+            staged.updates.append((param, scratch))
+    staged.record = ckpt.record
+    return staged
+
+
+@torch.no_grad()
+def reset_caches(model: nn.Module) -> None:
+    """Zero every cache tensor of ``model``'s attention layers in place (KV / MLA latent, DSA
+    indexer keys): nothing computed with other weights survives, and no pointer changes."""
+    for layer in model.attention_layers():
+        for cache in layer.kv_cache or ():
+            cache.zero_()
+
+
+def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name the same file or folder."""
+    return Path(a).resolve() == Path(b).resolve()
+
+
+class ReloadableRank:
+    """Recovery and reload methods of a rank actor (mixed into ``ShardWorker`` and ``DraftWorker``).
+
+    A subclass implements :meth:`_weights`: the object that holds ``model``, ``hf_config``,
+    ``requests`` (per-request state) and ``weight_record`` (:class:`WeightRecord`); it counts
+    ``weight_loads`` (reads of its weights from disk at start-up; a reload is not counted).
+    """
+
+    weight_loads = 0
+    _staged: StagedWeights | None = None
+
+    def _weights(self):
+        raise NotImplementedError
+
+    def status(self) -> dict:
+        """``{"pid", "weight_loads", "fingerprint"}`` (:meth:`WeightRecord.fingerprint` of the
+        loaded bytes); it answers at once, so it is also the liveness ping."""
+        return {"pid": os.getpid(), "weight_loads": self.weight_loads,
+                "fingerprint": self._weights().weight_record.fingerprint()}
+
+    def reset_state(self) -> None:
+        """Forget every request and zero the caches (after a peer was replaced or the weights changed)."""
+        holder = self._weights()
+        holder.requests.clear()
+        reset_caches(holder.model)
+
+    def stage_reload(self, files) -> dict:
+        """Read the checkpoint ``files`` and keep what changed (see :func:`stage_weights`).
+
+        Returns:
+            ``{"changed": [tensor names], "read": [tensor names]}`` of this rank.
+
+        Raises:
+            CheckpointError: a tensor is missing, misshapen or unreadable (nothing was changed).
+        """
+        holder = self._weights()
+        self._staged = None
+        self._staged = stage_weights(holder.model, open_digesting(files.path, holder.hf_config), holder.weight_record)
+        return {"changed": sorted(self._staged.changed), "read": sorted(self._staged.read)}
+
+    def commit_reload(self) -> int:
+        """Apply the staged tensors in place, keep their digests, reset the caches; returns bytes copied."""
+        staged, self._staged = self._staged, None
+        assert staged is not None, "commit_reload without a successful stage_reload"
+        copied = staged.commit()
+        self._weights().weight_record = staged.record
+        self.reset_state()
+        return copied
+
+    def discard_reload(self) -> None:
+        """Drop a staged reload (another rank failed to stage)."""
+        self._staged = None
