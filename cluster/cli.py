@@ -44,6 +44,9 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
                         help="per-step dispatch to the shard workers: actor calls or a Ray Compiled Graph")
+    parser.add_argument("--recovery-timeout", type=float, default=300.0,
+                        help="seconds to repair a dead shard or draft worker in place (new actors in the same "
+                             "bundles) before the replica gives up and Ray Serve replaces it; 0 = no in-place repair")
 
 
 def _floats(text: str) -> list[float]:
@@ -60,7 +63,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
-                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens)
+                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens,
+                      recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
 
 def _group_config(ns: argparse.Namespace):
@@ -143,7 +147,7 @@ def _serve_args(ns: argparse.Namespace):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        speculative_tokens=ns.speculative_tokens)
+        speculative_tokens=ns.speculative_tokens, recovery_timeout=ns.recovery_timeout)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:

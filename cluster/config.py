@@ -27,6 +27,9 @@ class EngineArgs:
         indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        recovery_timeout: seconds a replica may take to repair a dead shard / draft worker in place
+            (new actors in the same bundles; 0 = no in-place repair: the replica fails and Serve
+            replaces it).
     """
 
     model: str = DEFAULT_MODEL
@@ -44,6 +47,7 @@ class EngineArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    recovery_timeout: float = 300.0
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -65,6 +69,8 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
+        if not self.recovery_timeout >= 0:
+            raise ValueError(f"--recovery-timeout must be >= 0 seconds (0 = off), got {self.recovery_timeout}")
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

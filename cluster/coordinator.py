@@ -4,8 +4,9 @@ It owns the tokenizer, the engine core (scheduler, block manager, detokenizers) 
 group, runs the asyncio engine loop (``schedule -> execute on all ranks -> update``), and serves
 the gRPC API from the same event loop. The blocking step runs in a thread so requests can be
 added and cancelled while the ranks compute; the core is only touched from the loop thread.
-If a rank dies, every in-flight request ends with an error at once and the replica reports
-itself unhealthy.
+If a rank or the draft worker dies, every in-flight request ends with an error at once, the
+replica reports itself unhealthy and repairs its workers in place (``cluster/recovery.py``); a
+weight reload swaps changed tensors between steps (``cluster/weight_swap.py``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,26 @@ from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine import EngineCore, RequestOutput
+from shardserve.cluster.recovery import repair_replica
 from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
+from shardserve.cluster.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
 from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.model_runner import RunnerConfig
 from shardserve.workers.model_source import load_config, resolve_model
 
 logger = logging.getLogger(__name__)
+LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
 
 
 class ReplicaUnavailable(RuntimeError):
-    """The replica lost a shard worker and cannot serve."""
+    """The replica lost a shard worker and cannot serve (it may be repairing itself)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was ended by a weight reload with ``mode="abort"``."""
 
 
 class Coordinator:
@@ -75,11 +84,18 @@ class Coordinator:
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
                                args.enable_prefix_caching, speculator=speculator)
         self.healthy, self.error = True, None
+        self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
+        self.worker_restarts, self.weights_version = 0, 1
+        shapes = {name: shape for info in self.group.rank_info + ([self.drafter.info] if self.drafter else [])
+                  for name, shape in info["shapes"].items()}
+        self.served = CheckpointManifest.from_config(self.files.path, self.hf_config, shapes)
+        self.worker_status: list[dict] = []            # last answer of every worker process (ModelInfo)
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_lock: asyncio.Lock | None = None
+        self._reload_lock: asyncio.Lock | None = None
         self._grpc = None
         self._node_ip = ray.util.get_node_ip_address()
         logger.info("replica ready: %s, TP=%d (%s, %s), %d KV blocks", self.files.name, args.tensor_parallel_size,
@@ -99,14 +115,21 @@ class Coordinator:
     # -- engine loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
-            self._wakeup, self._step_lock = asyncio.Event(), asyncio.Lock()
+            self._wakeup, self._step_lock, self._reload_lock = asyncio.Event(), asyncio.Lock(), asyncio.Lock()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _has_work(self) -> bool:
+        # While a reload drains, fresh requests wait: only started ones are work.
+        return self.core.has_started() if not self.core.scheduler.admit_new else self.core.has_unfinished()
 
     async def _run(self) -> None:
         while self.healthy:
-            if not self.core.has_unfinished():
+            if not self._has_work():
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), LIVENESS_PERIOD_S)
+                except asyncio.TimeoutError:
+                    await self._check_workers()
                 continue
             async with self._step_lock:
                 batch = self.core.schedule()
@@ -119,18 +142,20 @@ class Coordinator:
                     self._record_step(time.perf_counter() - started, result)
                 except WorkerDiedError as exc:
                     await self._fail(str(exc))
-                    return
-            for out in self.core.update(batch, result):
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                    continue
+            self._publish(self.core.update(batch, result))
             if self.core.speculator is not None:   # draft the next step's tokens
                 async with self._step_lock:
                     try:
                         await self.core.speculator.propose_async(self.core, batch, result)
                     except WorkerDiedError as exc:
                         await self._fail(str(exc))
-                        return
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _record_step(self, wall_s: float, result) -> None:
         stats = self.step_stats
@@ -145,21 +170,142 @@ class Coordinator:
         stats, self.step_stats = self.step_stats, dict.fromkeys(self.step_stats, 0.0)
         return stats
 
+    async def _check_workers(self) -> None:
+        """Idle-time liveness check: every worker answers ``status`` (kept for ModelInfo), or the
+        replica fails and repairs itself before a request runs into the dead rank."""
+        async with self._step_lock:
+            if not self.healthy or self._has_work():
+                return
+            try:
+                self.worker_status = await asyncio.to_thread(self._probe_workers)
+            except WorkerDiedError as exc:
+                await self._fail(str(exc))
+
+    def _probe_workers(self) -> list[dict]:
+        import ray
+
+        actors = list(self.group.workers) + ([self.drafter.actor] if self.drafter is not None else [])
+        try:
+            answers = ray.get([actor.status.remote() for actor in actors], timeout=30)
+        except Exception as exc:  # noqa: BLE001 - dead actor, or no answer at all
+            raise WorkerDiedError(f"a worker failed its liveness check: {type(exc).__name__}: {exc}") from exc
+        roles = [("shard", rank, self.group.bundle_index(rank)) for rank in range(len(self.group.workers))]
+        if self.drafter is not None:
+            roles.append(("draft", 0, self.drafter.placement[1] if self.drafter.placement else -1))
+        return [dict(answer, role=role, rank=rank, bundle_index=bundle)
+                for answer, (role, rank, bundle) in zip(answers, roles)]
+
     async def _fail(self, message: str) -> None:
+        """End every request with an error and report unhealthy; then repair in place, or give up
+        (``--recovery-timeout 0``, or the repair failed) and let Serve replace the replica."""
         logger.error("replica unhealthy: %s", message)
         self.healthy, self.error = False, message
-        for out in self.core.fail_all(message):
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+        self._publish(self.core.fail_all(message))
         if self._grpc is not None:
-            self._grpc.set_unhealthy()
+            self._grpc.set_serving(False)
+        if self.args.recovery_timeout > 0 and await self._recover(message):
+            return
+        self.failed = self.failed or f"a worker died and in-place recovery is off: {message}"
         await asyncio.to_thread(self._stop_workers)
+
+    async def _recover(self, cause: str) -> bool:
+        """Repair the workers in place (``cluster/recovery.py``); True when healthy again."""
+        self.recovering = True
+        try:
+            report = await asyncio.to_thread(repair_replica, self.group, self.drafter, self.args.recovery_timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure: give up, Serve's health check takes over
+            logger.error("in-place recovery failed (%s: %s); the replica reports itself failed", type(exc).__name__, exc)
+            self.failed = f"in-place recovery failed: {type(exc).__name__}: {exc} (after: {cause})"
+            return False
+        finally:
+            self.recovering = False
+        self.core.reset_after_worker_loss()
+        self.worker_restarts += report.restarted
+        self.weights_version += report.files_changed
+        self.worker_status = []
+        self.healthy, self.error = True, None
+        if self._grpc is not None:
+            self._grpc.set_serving(True)
+        logger.warning("replica repaired in place in %.1f s: %d worker(s) restarted (shard ranks %s%s); cause: %s",
+                       report.seconds, report.restarted, report.dead_ranks,
+                       ", draft worker" if report.draft_restarted else "", cause)
+        return True
+
+    def check_health(self) -> None:
+        """Serve's health check (through the replica): healthy, or repairing itself in place.
+
+        Raises:
+            RuntimeError: the replica gave up (Serve then replaces it).
+        """
+        if self.failed:
+            raise RuntimeError(self.failed)
 
     def _stop_workers(self) -> None:
         self.group.shutdown()
         if self.drafter is not None:
             self.drafter.shutdown()
+
+    # -- weight reload ------------------------------------------------------------------------------
+    async def reload_weights(self, model: str | None = None, mode: str | None = None) -> dict:
+        """Hot-swap the weights that changed (``cluster/weight_swap.py``): validate ``model``
+        (default: the served files, changed on disk), pause admission at a step boundary, wait
+        for running requests (``mode="drain"``) or end them (``"abort"``; requests that have not
+        produced output yet are recomputed later instead), swap on every rank, drop every cache
+        computed with the old weights, resume.
+
+        Returns:
+            :class:`ReloadResult` as a dict.
+
+        Raises:
+            ValueError: unknown mode, or :class:`InvalidCheckpoint` (nothing was changed).
+            ReplicaUnavailable: the replica is unhealthy or a worker died meanwhile.
+        """
+        mode = check_mode(mode)
+        if not self.healthy:
+            raise ReplicaUnavailable(self.error)
+        self._ensure_loop()
+        async with self._reload_lock:
+            started = time.monotonic()
+            files, _ = await asyncio.to_thread(check_replacement, self.served, model or str(self.files.path))
+            self.core.scheduler.admit_new = False
+            try:
+                aborted = await self._quiesce(mode)
+                async with self._step_lock:
+                    if not self.healthy:
+                        raise ReplicaUnavailable(self.error)
+                    changed, unchanged = await self._swap(files)
+            finally:
+                self.core.scheduler.admit_new = True
+                self._wakeup.set()
+        self.weights_version += bool(changed)
+        result = ReloadResult(len(changed), len(unchanged), round(time.monotonic() - started, 3),
+                              self.weights_version, aborted)
+        logger.info("weights reloaded from %s (%s): %s", files.path, mode, result)
+        return result.as_dict()
+
+    async def _quiesce(self, mode: str) -> int:
+        """With admission paused: end started requests (abort) or wait for them (drain)."""
+        aborted = 0
+        if mode == "abort":
+            async with self._step_lock:   # at a step boundary
+                outputs = self.core.interrupt_started("aborted: the replica is reloading its weights (mode=abort)")
+                self._publish(outputs)
+                aborted = len(outputs)
+        while self.healthy and self.core.has_started():
+            await asyncio.sleep(0.005)
+        return aborted
+
+    async def _swap(self, files) -> tuple[set[str], set[str]]:
+        """Stage and commit on every weight holder, then drop the prefix cache (step lock held)."""
+        holders = [self.group] + ([self.drafter] if self.drafter is not None else [])
+        try:
+            changed, unchanged = await asyncio.to_thread(swap_weights, holders, files)
+        except WorkerDiedError as exc:
+            await self._fail(str(exc))
+            raise ReplicaUnavailable(f"a worker died during the weight reload: {exc}") from exc
+        self.core.drop_cached_prefixes()
+        self.files, self.served.path = files, files.path
+        return changed, unchanged
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
@@ -178,6 +324,7 @@ class Coordinator:
         Raises:
             ValueError: invalid request (before anything is yielded).
             ReplicaUnavailable: a shard worker died (before or during the stream).
+            RequestAborted: a weight reload with ``mode="abort"`` ended it.
         """
         if not self.healthy:
             raise ReplicaUnavailable(self.error)
@@ -191,6 +338,8 @@ class Coordinator:
                 out = await queue.get()
                 if out.finish_reason == "error":
                     raise ReplicaUnavailable(out.error)
+                if out.finish_reason == "abort" and out.error:
+                    raise RequestAborted(out.error)
                 yield out
                 if out.finished:
                     return
@@ -232,6 +381,12 @@ class Coordinator:
             "num_running": len(self.core.scheduler.running), "num_waiting": len(self.core.scheduler.waiting),
             "healthy": self.healthy, "collective": self.group.collective, "dispatch": self.group_config.dispatch,
             **(self.core.speculator.stats.as_dict() if self.core.speculator else {"speculative_tokens": 0}),
+            "weights_version": self.weights_version, "worker_restarts": self.worker_restarts,
+            "recovering": self.recovering, "admission_paused": not self.core.scheduler.admit_new,
+            "prefix_cache_hit_tokens": bm.prefix_hits,
+            "workers": [{"role": "coordinator", "rank": 0, "pid": os.getpid(), "bundle_index": 0, "weight_loads": 0}]
+            + [{key: w[key] for key in ("role", "rank", "pid", "bundle_index", "weight_loads")}
+               for w in self.worker_status],
         }
 
     def speculative_metrics(self) -> str:

@@ -1,9 +1,11 @@
 """gRPC front of a coordinator: ``shardserve.v1.Inference`` plus the standard health
 (``grpc.health.v1``) and reflection services, on the coordinator's event loop (grpc.aio).
 
-Status codes: INVALID_ARGUMENT for a bad request (before any response is streamed),
-UNAVAILABLE when the replica lost a shard worker. A client cancelling ``Generate`` aborts the
-request and frees its KV blocks.
+Status codes: INVALID_ARGUMENT for a bad request (before any response is streamed) or a
+checkpoint that cannot replace the served one (``ReloadWeights``), UNAVAILABLE when the replica
+lost a shard worker (it reports NOT_SERVING while it repairs itself, SERVING again after), ABORTED
+for a stream ended by a weight reload with ``mode="abort"``. A client cancelling ``Generate``
+aborts the request and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return self.coordinator.encode(text=request.text)
 
     async def Generate(self, request, context):
-        from shardserve.cluster.coordinator import ReplicaUnavailable
+        from shardserve.cluster.coordinator import ReplicaUnavailable, RequestAborted
 
         try:
             prompt_ids = self._prompt_ids(request)
@@ -71,6 +73,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ReplicaUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
+        except RequestAborted as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
 
     async def Tokenize(self, request, context):
         try:
@@ -83,7 +87,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids)
 
     async def ModelInfo(self, request, context):
-        return pb.ModelInfoResponse(**self.coordinator.model_info())
+        info = self.coordinator.model_info()
+        workers = [pb.WorkerProcess(**worker) for worker in info.pop("workers")]
+        return pb.ModelInfoResponse(**info, workers=workers)
+
+    async def ReloadWeights(self, request, context):
+        from shardserve.cluster.coordinator import ReplicaUnavailable
+
+        try:
+            result = await self.coordinator.reload_weights(request.model or None, request.mode or None)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ReplicaUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
+        return pb.ReloadWeightsResponse(**result)
 
 
 class GrpcServer:
@@ -92,9 +109,11 @@ class GrpcServer:
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.HealthServicer) -> None:
         self.server, self.port, self.health = server, port, health_servicer
 
-    def set_unhealthy(self) -> None:
+    def set_serving(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING for the server and the Inference service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(name, status)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.server.stop(grace_s)

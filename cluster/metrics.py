@@ -7,6 +7,7 @@ depth, free KV blocks) are refreshed from each replica's ModelInfo right before 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -20,7 +21,8 @@ class ServeMetrics:
     ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``, ``requests_in_flight``.
     Per replica (label ``replica``): ``requests_routed_total``, ``outstanding_tokens``,
     ``num_requests_running``, ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``,
-    ``kv_cache_blocks``, ``replica_ready``.
+    ``kv_cache_blocks``, ``replica_ready``, ``weights_version``, ``worker_restarts_total`` (shard
+    or draft worker actors the replica replaced in place; reset when Serve replaces the replica).
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -51,6 +53,10 @@ class ServeMetrics:
         self.free_blocks = Gauge("shardserve_kv_cache_free_blocks", "Free KV cache blocks", ["replica"], registry=reg)
         self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks", ["replica"], registry=reg)
         self.ready = Gauge("shardserve_replica_ready", "1 when the replica serves", ["replica"], registry=reg)
+        self.weights_version = Gauge("shardserve_weights_version", "Weights served (1 at start, +1 per reload "
+                                     "that changed a tensor)", ["replica"], registry=reg)
+        self.worker_restarts: dict[str, int] = {}    # replica -> its count (a counter the replica keeps)
+        reg.register(_ReplicaCounters(self))
 
     def observe_choice(self, started: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         """Record one finished choice: TTFT from the request's arrival, TPOT over its later tokens."""
@@ -69,7 +75,23 @@ class ServeMetrics:
             self.waiting.labels(label).set(info.get("num_waiting", 0))
             self.free_blocks.labels(label).set(info.get("num_free_blocks", 0))
             self.total_blocks.labels(label).set(info.get("num_blocks", 0))
+            self.weights_version.labels(label).set(info.get("weights_version", 0))
+            self.worker_restarts[label] = info.get("worker_restarts", 0)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""
         return generate_latest(self.registry)
+
+
+class _ReplicaCounters:
+    """Counters each replica keeps itself (read from its ModelInfo), exposed per replica label."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        family = CounterMetricFamily("shardserve_worker_restarts", "Shard / draft worker actors replaced in place",
+                                     labels=["replica"])
+        for label, count in sorted(self.metrics.worker_restarts.items()):
+            family.add_metric([label], count)
+        yield family

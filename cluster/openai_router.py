@@ -34,7 +34,7 @@ from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
-_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")
+_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version", "worker_restarts")
 
 
 def _connect(address: str) -> tuple:
@@ -305,14 +305,22 @@ class RouterCore:
         try:
             await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
         except grpc.aio.AioRpcError as exc:
-            self.pool.mark_unreachable(run.lease.replica, exc.details() or exc.code().name)
-            err = unavailable(f"replica {run.lease.replica.index} failed mid-request: {exc.details()}")
+            err = self._failed_mid_request(run, exc)
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             self._finish(run)
         body = response_body(run.parsed.kind, run.request_id, run.created, run.model, run.choices, self.token_text,
                              run.parsed.logprobs is not None, run.parsed.n)
         return JSONResponse(body)
+
+    def _failed_mid_request(self, run: _Run, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        """The 503 for a call that failed after its first response. ABORTED (a weight reload ended
+        it) leaves the replica ready; anything else marks it unreachable until the next poll."""
+        replica = run.lease.replica
+        if exc.code() == grpc.StatusCode.ABORTED:
+            return unavailable(f"replica {replica.index}: {exc.details()}")
+        self.pool.mark_unreachable(replica, exc.details() or exc.code().name)
+        return unavailable(f"replica {replica.index} failed mid-request: {exc.details()}")
 
     def _event(self, run: _Run, index: int, resp: pb.GenerateResponse, offset: int) -> str | None:
         """The SSE event for one response of choice ``index`` whose text starts at character
@@ -363,9 +371,7 @@ class RouterCore:
                 if item is None:
                     open_calls -= 1
                 elif isinstance(item, grpc.aio.AioRpcError):
-                    self.pool.mark_unreachable(run.lease.replica, item.details() or item.code().name)
-                    yield _sse_data(unavailable(f"replica {run.lease.replica.index} failed mid-stream: "
-                                                f"{item.details()}").body())
+                    yield _sse_data(self._failed_mid_request(run, item).body())
                     break
                 else:
                     event = self._event(run, index, item, offset)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 LOADING, READY, FAILED, UNREACHABLE = "loading", "ready", "failed", "unreachable"
+RECOVERING = "recovering"   # repairing a dead shard / draft worker in place (cluster/recovery.py)
 
 
 class NoReplicaReady(RuntimeError):
@@ -28,7 +29,7 @@ class Replica:
     """One model replica as the router sees it."""
 
     index: int
-    state: str = LOADING           # loading | ready | failed | unreachable
+    state: str = LOADING           # loading | ready | recovering | failed | unreachable
     address: str | None = None     # host:port of its gRPC API
     error: str | None = None       # why it is failed or unreachable
     info: dict = field(default_factory=dict)   # last ModelInfo answer (model, max_model_len, blocks, ...)

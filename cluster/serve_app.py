@@ -11,7 +11,7 @@ serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
   the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop; the model loads
   in the background, so the app deploys at once and reports "loading" until it is ready.
 - ``OpenAIRouter`` (FastAPI ingress): ``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``. It learns each replica's gRPC address through its
+  ``/v1/models``, ``/health``, ``/metrics``, ``POST /admin/reload_weights`` (:mod:`cluster.admin`). It learns each replica's gRPC address through its
   deployment handle and forwards requests over the same gRPC API external clients use, to the
   replica with the fewest outstanding tokens (see :mod:`cluster.openai_router`).
 
@@ -35,7 +35,7 @@ from starlette.responses import Response
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.replica_pool import FAILED, LOADING, READY
+from shardserve.cluster.replica_pool import FAILED, LOADING, READY, RECOVERING
 from shardserve.cluster.worker_group import GroupConfig
 from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
 
@@ -59,7 +59,7 @@ class ServeArgs:
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            speculative_tokens: engine settings (see EngineArgs).
+            speculative_tokens, recovery_timeout: engine settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -87,6 +87,7 @@ class ServeArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    recovery_timeout: float = 300.0
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -124,7 +125,7 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          speculative_tokens=self.speculative_tokens)
+                          speculative_tokens=self.speculative_tokens, recovery_timeout=self.recovery_timeout)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -188,25 +189,29 @@ class ModelReplica:
                 await coordinator.shutdown()
 
     async def status(self) -> dict:
-        """``{"state": loading|ready|failed, "address", "error", "info"}`` (info: ModelInfo dict)."""
+        """``{"state": loading|ready|recovering|failed, "address", "error", "info"}`` (info: ModelInfo
+        dict)."""
         if self.error:
             return {"state": FAILED, "address": None, "error": self.error, "info": None}
         if self.coordinator is None:
             return {"state": LOADING, "address": None, "error": None, "info": None}
-        info = self.coordinator.model_info()
-        state = READY if info["healthy"] else FAILED
-        return {"state": state, "address": self.address, "error": self.coordinator.error, "info": info}
+        coordinator = self.coordinator
+        info = coordinator.model_info()
+        state = READY if info["healthy"] else RECOVERING if coordinator.recovering else FAILED
+        return {"state": state, "address": self.address, "error": coordinator.failed or coordinator.error,
+                "info": info}
 
     async def check_health(self) -> None:
-        """Serve's health check: a failed load or a dead shard worker restarts this replica.
+        """Serve's health check: a failed load, or a dead worker the replica could not repair in
+        place (``--recovery-timeout``), restarts this replica; a repair in progress does not.
 
         Raises:
             RuntimeError: the replica cannot serve.
         """
         if self.error:
             raise RuntimeError(f"model replica {self.index} failed to load: {self.error}")
-        if self.coordinator is not None and not self.coordinator.healthy:
-            raise RuntimeError(f"model replica {self.index} lost a shard worker: {self.coordinator.error}")
+        if self.coordinator is not None:
+            self.coordinator.check_health()
 
     async def __del__(self) -> None:
         if self.coordinator is not None:
@@ -276,6 +281,13 @@ class OpenAIRouter:
     @_typed
     async def metrics(self) -> Response:
         return await self.core.metrics_text()
+
+    @app.post("/admin/reload_weights")
+    @_typed
+    async def reload_weights(self, request: Request) -> Response:
+        from shardserve.cluster.admin import reload_weights
+
+        return await reload_weights(self.core.pool, await request.body())
 
     async def __del__(self) -> None:
         await self.core.close()

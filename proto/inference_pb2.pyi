@@ -125,7 +125,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,12 @@ class ModelInfoResponse(_message.Message):
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -166,4 +172,46 @@ class ModelInfoResponse(_message.Message):
     spec_num_accepted_tokens: int
     spec_acceptance_rate: _containers.RepeatedScalarFieldContainer[float]
     spec_mean_acceptance_length: float
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ...) -> None: ...
+    weights_version: int
+    worker_restarts: int
+    recovering: bool
+    admission_paused: bool
+    prefix_cache_hit_tokens: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerProcess]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ...) -> None: ...
+
+class WorkerProcess(_message.Message):
+    __slots__ = ("role", "rank", "pid", "bundle_index", "weight_loads")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    rank: int
+    pid: int
+    bundle_index: int
+    weight_loads: int
+    def __init__(self, role: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., bundle_index: _Optional[int] = ..., weight_loads: _Optional[int] = ...) -> None: ...
+
+class ReloadWeightsRequest(_message.Message):
+    __slots__ = ("model", "mode")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    mode: str
+    def __init__(self, model: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class ReloadWeightsResponse(_message.Message):
+    __slots__ = ("changed_tensors", "unchanged_tensors", "seconds", "weights_version", "aborted_requests")
+    CHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    changed_tensors: int
+    unchanged_tensors: int
+    seconds: float
+    weights_version: int
+    aborted_requests: int
+    def __init__(self, changed_tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., seconds: _Optional[float] = ..., weights_version: _Optional[int] = ..., aborted_requests: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ReloadWeights = channel.unary_unary(
+                '/shardserve.v1.Inference/ReloadWeights',
+                request_serializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.SerializeToString,
+                response_deserializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -75,6 +80,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadWeights(self, request, context):
+        """Hot-swap the weights that changed on disk (INVALID_ARGUMENT naming the first bad tensor when
+        the checkpoint cannot replace the served one; the old weights then keep serving).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.FromString,
                     response_serializer=shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'ReloadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadWeights,
+                    request_deserializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.FromString,
+                    response_serializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Inference:
             '/shardserve.v1.Inference/ModelInfo',
             shardserve_dot_proto_dot_inference__pb2.ModelInfoRequest.SerializeToString,
             shardserve_dot_proto_dot_inference__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Inference/ReloadWeights',
+            shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.SerializeToString,
+            shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,77 @@
+"""Operator endpoints of the OpenAI front: ``POST /admin/reload_weights``.
+
+The body is ``{"model": PATH, "mode": "drain" | "abort"}`` (both optional: the served files, changed
+on disk, and ``drain``). The router asks every replica in turn over gRPC ``ReloadWeights`` (one at
+a time, so the other replicas keep serving) and answers the first replica's counts with the
+total wall time; a checkpoint the first replica refuses is a 400 naming the first bad tensor, and
+no replica changed anything. An API key, when the app has one, is checked by the app-wide check
+like on every other route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+from starlette.responses import JSONResponse, Response
+
+from shardserve.cluster.openai_protocol import OpenAIError, bad_request, unavailable
+from shardserve.cluster.replica_pool import READY, ReplicaPool
+from shardserve.cluster.weight_swap import RELOAD_MODES
+from shardserve.proto import inference_pb2 as pb
+
+_FIELDS = ("changed_tensors", "unchanged_tensors", "seconds", "weights_version", "aborted_requests")
+
+
+def parse_reload(raw_body: bytes) -> pb.ReloadWeightsRequest:
+    """The gRPC request for a ``/admin/reload_weights`` body.
+
+    Raises:
+        OpenAIError: 400 for a body that is not a JSON object with optional string ``model`` and
+            ``mode`` in ``drain`` / ``abort``.
+    """
+    try:
+        body = json.loads(raw_body) if raw_body.strip() else {}
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - {"model", "mode"})
+    if unknown:
+        raise bad_request(f"unknown field(s) {unknown}; expected 'model' and 'mode'", unknown[0])
+    model, mode = body.get("model"), body.get("mode")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_request("'model' must be a non-empty path (or absent: the served files)", "model")
+    if mode is not None and mode not in RELOAD_MODES:
+        raise bad_request(f"'mode' must be one of {list(RELOAD_MODES)}, got {mode!r}", "mode")
+    return pb.ReloadWeightsRequest(model=model or "", mode=mode or "")
+
+
+async def reload_weights(pool: ReplicaPool, raw_body: bytes) -> Response:
+    """``POST /admin/reload_weights``: 200 with ``changed_tensors``, ``unchanged_tensors``,
+    ``seconds``, ``weights_version``, ``aborted_requests`` and ``replicas`` (one answer each);
+    400 for a bad body or a checkpoint that cannot replace the served one; 503 when a replica is
+    not ready or fails."""
+    started = time.monotonic()
+    try:
+        request = parse_reload(raw_body)
+        not_ready = [r for r in pool.replicas if r.state != READY or r.stub is None]
+        if not_ready:
+            raise unavailable(f"every replica must be ready to reload weights ({pool.summary()})")
+        answers = []
+        for replica in pool.replicas:
+            try:
+                answer = await replica.stub.ReloadWeights(request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise bad_request(exc.details(), "model", "invalid_checkpoint") from exc
+                raise unavailable(f"replica {replica.index} failed to reload ({exc.code().name}: {exc.details()}); "
+                                  f"replicas reloaded before it: {[a['replica'] for a in answers]}") from exc
+            answers.append({"replica": replica.index, **{name: getattr(answer, name) for name in _FIELDS}})
+    except OpenAIError as err:
+        return JSONResponse(err.body(), status_code=err.status)
+    first = answers[0]
+    return JSONResponse({**{name: first[name] for name in _FIELDS},
+                         "seconds": round(time.monotonic() - started, 3),
+                         "aborted_requests": sum(a["aborted_requests"] for a in answers), "replicas": answers})
