@@ -30,7 +30,13 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
-    """A shard worker died or failed; the replica cannot serve until restarted."""
+    """A shard or draft worker died or failed; the replica cannot serve until repaired."""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (Ray's actor-death messages run to a dozen lines)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 @dataclass(slots=True)
@@ -163,7 +169,7 @@ class WorkerGroup:
         except Exception as exc:
             if self._segment is not None:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
-            raise WorkerDiedError(f"shard worker failed: {type(exc).__name__}: {exc}") from exc
+            raise WorkerDiedError(f"shard worker failed: {describe(exc)}") from exc
 
     # -- recovery ---------------------------------------------------------------------------------
     def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
@@ -215,7 +221,7 @@ class WorkerGroup:
             raise TimeoutError(f"replacement of rank(s) {dead} not placed and loaded within {timeout_s:.0f} s "
                                "(is its node gone?)") from exc
         except RayError as exc:
-            raise WorkerDiedError(f"repairing the group failed: {type(exc).__name__}: {exc}") from exc
+            raise WorkerDiedError(f"repairing the group failed: {describe(exc)}") from exc
         for rank, info, nbytes in zip(dead, infos, sizes):
             info["cache_bytes"] = nbytes
             self.rank_info[rank] = info
@@ -247,7 +253,7 @@ class WorkerGroup:
         try:
             return ray.get([getattr(w, method).remote(*args) for w in self.workers])
         except RayActorError as exc:
-            raise WorkerDiedError(f"shard worker died during {method}: {exc}") from exc
+            raise WorkerDiedError(f"shard worker died during {method}: {describe(exc)}") from exc
 
     # -- teardown ------------------------------------------------------------------------------------
     def _teardown_dag(self) -> None:
@@ -335,7 +341,7 @@ class RemoteDrafter:
         try:
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
-            raise WorkerDiedError(f"draft worker failed: {type(exc).__name__}: {exc}") from exc
+            raise WorkerDiedError(f"draft worker failed: {describe(exc)}") from exc
 
     # -- recovery and weight reload --------------------------------------------------------------------
     def is_dead(self, timeout_s: float = 10.0) -> bool:
@@ -361,21 +367,21 @@ class RemoteDrafter:
             self.shutdown()
             raise TimeoutError(f"draft worker not placed and loaded within {timeout_s:.0f} s") from exc
         except RayError as exc:
-            raise WorkerDiedError(f"draft worker failed during repair: {type(exc).__name__}: {exc}") from exc
+            raise WorkerDiedError(f"draft worker failed during repair: {describe(exc)}") from exc
 
     def stage_reload(self, files: ModelFiles) -> list[dict]:
         """Like :meth:`WorkerGroup.stage_reload`, for the MTP weights."""
         try:
             return [ray.get(self.actor.stage_reload.remote(files))]
         except RayActorError as exc:
-            raise WorkerDiedError(f"draft worker died during stage_reload: {exc}") from exc
+            raise WorkerDiedError(f"draft worker died during stage_reload: {describe(exc)}") from exc
 
     def commit_reload(self, files: ModelFiles) -> None:
         """Like :meth:`WorkerGroup.commit_reload`."""
         try:
             ray.get(self.actor.commit_reload.remote())
         except RayActorError as exc:
-            raise WorkerDiedError(f"draft worker died during commit_reload: {exc}") from exc
+            raise WorkerDiedError(f"draft worker died during commit_reload: {describe(exc)}") from exc
         self.files = files
 
     def discard_reload(self) -> None:

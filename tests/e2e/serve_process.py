@@ -1,0 +1,120 @@
+"""A real ``shardserve serve`` in a process group of its own (its own local Ray cluster), for the
+recovery and reload tests: start, wait until every replica is ready, read ModelInfo, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from procs import free_port
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET (no body) or a JSON POST."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def wait_for(what: str, check, timeout_s: float, period_s: float = 0.1):
+    """Poll ``check()`` until it returns something truthy; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+        except (OSError, ValueError, grpc.RpcError):
+            result = None
+        if result:
+            return result
+        time.sleep(period_s)
+    raise TimeoutError(f"{what}: not within {timeout_s} s")
+
+
+class ServeProcess:
+    """``shardserve serve MODEL *flags`` on free loopback ports until :meth:`stop`.
+
+    Attributes:
+        base: ``http://127.0.0.1:PORT``. grpc_address: replica 0's gRPC ``host:port``.
+    """
+
+    def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400) -> None:
+        http_port, grpc_port = free_port(), free_port()
+        self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        env.pop("RAY_ADDRESS", None)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(BIN / "shardserve"), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port), *flags],
+            env=env, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
+        self._lines: list[str] = []
+        threading.Thread(target=lambda: self._lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+        try:
+            wait_for("shardserve serve ready", self._ready, ready_timeout_s, period_s=0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.channel = grpc.insecure_channel(self.grpc_address)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"shardserve serve exited with {self.proc.returncode}; see {self._log.name}")
+        return any("Press Ctrl-C to stop." in line for line in self._lines)
+
+    def health(self) -> int:
+        return http(self.base + "/health", timeout=10)[0]
+
+    def model_info(self) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+
+    def workers(self) -> dict[tuple[str, int], pb.WorkerProcess]:
+        """``(role, rank) -> WorkerProcess`` as the replica last saw its workers."""
+        return {(w.role, w.rank): w for w in self.model_info().workers}
+
+    def replaced(self, role: str, rank: int, old_pid: int) -> dict | None:
+        """:meth:`workers` once the worker ``(role, rank)`` has reported from a process other than
+        ``old_pid`` (the replica refreshes its view every few idle seconds), else None."""
+        workers = self.workers()
+        worker = workers.get((role, rank))
+        return workers if worker is not None and worker.pid != old_pid else None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as resp:
+            return resp.read().decode()
+
+    def stop(self) -> None:
+        """Ctrl-C, then SIGKILL whatever is left of the process group."""
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # never `ray stop`: other Rays run on this machine
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
