@@ -214,7 +214,8 @@ class Coordinator:
         try:
             report = await asyncio.to_thread(repair_replica, self.group, self.drafter, self.args.recovery_timeout)
         except Exception as exc:  # noqa: BLE001 - any failure: give up, Serve's health check takes over
-            logger.error("in-place recovery failed (%s: %s); the replica reports itself failed", type(exc).__name__, exc)
+            logger.error("in-place recovery failed (%s: %s); the replica reports itself failed",
+                         type(exc).__name__, exc)
             self.failed = f"in-place recovery failed: {type(exc).__name__}: {exc} (after: {cause})"
             return False
         finally:

@@ -11,9 +11,14 @@ serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
   the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop; the model loads
   in the background, so the app deploys at once and reports "loading" until it is ready.
 - ``OpenAIRouter`` (FastAPI ingress): ``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``, ``POST /admin/reload_weights`` (:mod:`cluster.admin`). It learns each replica's gRPC address through its
-  deployment handle and forwards requests over the same gRPC API external clients use, to the
-  replica with the fewest outstanding tokens (see :mod:`cluster.openai_router`).
+  ``/v1/models``, ``/health``, ``/metrics``, ``POST /admin/reload_weights`` (:mod:`cluster.admin`).
+  It learns each replica's gRPC address through its deployment handle and forwards requests over
+  the same gRPC API external clients use, to the replica with the fewest outstanding tokens (see
+  :mod:`cluster.openai_router`).
+
+A replica whose shard or draft worker dies repairs itself in place (``cluster/recovery.py``) and
+reports ``recovering`` meanwhile; only when that fails (``recovery_timeout``) does its health
+check fail, and Serve replaces the replica, as it does when the replica process itself dies.
 
 One deployment per data-parallel replica (rather than ``num_replicas=N``) gives the router a
 handle per replica, hence every replica's gRPC address, without a registry actor.

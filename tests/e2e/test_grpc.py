@@ -25,8 +25,9 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, replicas, smollm2_files):
+    # recovery_timeout: far too short for a replacement rank to load, so the death test ends failed
     args = EngineArgs(model=str(smollm2_files.path), tensor_parallel_size=2, kv_cache_gib=0.05,
-                      max_model_len=MAX_MODEL_LEN)
+                      max_model_len=MAX_MODEL_LEN, recovery_timeout=0.5)
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1))
     address = ray_cluster.get(handle.start_grpc.remote(0, "127.0.0.1"))
     channel = grpc.insecure_channel(address)
@@ -140,8 +141,10 @@ def test_model_info(server):
     assert info.vocab_size == 49152 and info.healthy and info.collective == "shm"
 
 
-def test_worker_death_ends_streams_with_unavailable(server, ray_cluster):
-    """Last in this module: kills a shard worker mid-stream."""
+def test_worker_death_ends_streams_with_unavailable_and_a_repair_out_of_time_fails_the_replica(server, ray_cluster):
+    """Last in this module: kills a shard worker mid-stream. The in-place repair cannot finish within
+    the recovery timeout (as when the rank's node is gone), so the replica gives up and its health
+    check fails (under Serve, the replica is then replaced)."""
     handle, channel = server
     pids = ray_cluster.get(handle.worker_pids.remote())
     request = pb.GenerateRequest(text="Count to one thousand:",
@@ -161,3 +164,17 @@ def test_worker_death_ends_streams_with_unavailable(server, ray_cluster):
         list(stub(server).Generate(pb.GenerateRequest(text="hi")))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert not stub(server).ModelInfo(pb.ModelInfoRequest()).healthy
+
+    def gave_up() -> str | None:
+        try:
+            ray_cluster.get(handle.check_health.remote())
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    deadline = time.monotonic() + 60
+    while (message := gave_up()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert message and "in-place recovery failed" in message and "TimeoutError" in message, message
+    info = stub(server).ModelInfo(pb.ModelInfoRequest())
+    assert not info.healthy and not info.recovering and info.worker_restarts == 0
