@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine import EngineCore, RequestOutput
-from shardserve.cluster.recovery import repair_replica
+from shardserve.cluster.recovery import probe_workers, repair_replica
 from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
@@ -177,23 +177,9 @@ class Coordinator:
             if not self.healthy or self._has_work():
                 return
             try:
-                self.worker_status = await asyncio.to_thread(self._probe_workers)
+                self.worker_status = await asyncio.to_thread(probe_workers, self.group, self.drafter)
             except WorkerDiedError as exc:
                 await self._fail(str(exc))
-
-    def _probe_workers(self) -> list[dict]:
-        import ray
-
-        actors = list(self.group.workers) + ([self.drafter.actor] if self.drafter is not None else [])
-        try:
-            answers = ray.get([actor.status.remote() for actor in actors], timeout=30)
-        except Exception as exc:  # noqa: BLE001 - dead actor, or no answer at all
-            raise WorkerDiedError(f"a worker failed its liveness check: {type(exc).__name__}: {exc}") from exc
-        roles = [("shard", rank, self.group.bundle_index(rank)) for rank in range(len(self.group.workers))]
-        if self.drafter is not None:
-            roles.append(("draft", 0, self.drafter.placement[1] if self.drafter.placement else -1))
-        return [dict(answer, role=role, rank=rank, bundle_index=bundle)
-                for answer, (role, rank, bundle) in zip(answers, roles)]
 
     async def _fail(self, message: str) -> None:
         """End every request with an error and report unhealthy; then repair in place, or give up

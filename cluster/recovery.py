@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from shardserve.cluster.weight_swap import swap_weights
-from shardserve.cluster.worker_group import RemoteDrafter, WorkerGroup
+from shardserve.cluster.worker_group import RemoteDrafter, WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +78,27 @@ def repair_replica(group: WorkerGroup, drafter: RemoteDrafter | None, timeout_s:
         swap_weights([group] + ([drafter] if drafter is not None else []), group.files)
     report.seconds = time.monotonic() - started
     return report
+
+
+def probe_workers(group: WorkerGroup, drafter: RemoteDrafter | None, timeout_s: float = 30.0) -> list[dict]:
+    """Ask every shard worker and the draft worker for its ``status`` (liveness check).
+
+    Returns:
+        one dict per worker: ``pid``, ``weight_loads``, ``fingerprint`` as the process reports them,
+        plus ``role`` (``shard`` / ``draft``), ``rank`` and ``bundle_index``.
+
+    Raises:
+        WorkerDiedError: a worker is dead or did not answer within ``timeout_s``.
+    """
+    import ray
+
+    actors = list(group.workers) + ([drafter.actor] if drafter is not None else [])
+    try:
+        answers = ray.get([actor.status.remote() for actor in actors], timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - dead actor, or no answer at all
+        raise WorkerDiedError(f"a worker failed its liveness check: {type(exc).__name__}") from exc
+    roles = [("shard", rank, group.bundle_index(rank)) for rank in range(len(group.workers))]
+    if drafter is not None:
+        roles.append(("draft", 0, drafter.placement[1] if drafter.placement is not None else -1))
+    return [dict(answer, role=role, rank=rank, bundle_index=bundle)
+            for answer, (role, rank, bundle) in zip(answers, roles)]

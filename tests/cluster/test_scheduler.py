@@ -84,3 +84,20 @@ def test_finish_frees_blocks_and_is_idempotent():
     s.finish(req, RequestStatus.FINISHED_ABORTED)
     s.finish(req, RequestStatus.FINISHED_ABORTED)
     assert s.block_manager.num_free_blocks == 16 and s.num_unfinished == 0
+
+
+def test_paused_admission_keeps_fresh_requests_waiting_but_readmits_preempted_ones():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=16)
+    started = Request("started", list(range(6)), SamplingParams())
+    fresh = Request("fresh", list(range(3)), SamplingParams())
+    s.add(started)
+    finish_step(s.schedule())             # prefilled, one output token
+    s.admit_new = False                   # a weight reload drains
+    s.add(fresh)
+    s.requeue(started)                    # e.g. preempted: back at the front, its blocks freed
+    assert s.block_manager.num_free_blocks == 4 and started.num_computed_tokens == 0
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["started"] and list(s.waiting) == [fresh]
+    assert batch.plan.scheduled[0].token_ids == list(range(6)) + [0]   # recomputed from its first token
+    s.admit_new = True
+    assert [r.request_id for r in s.schedule().requests] == ["started", "fresh"]

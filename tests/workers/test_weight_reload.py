@@ -71,7 +71,8 @@ def rewrite_tensor(folder: Path, name: str, change) -> None:
 
 def model_bytes(llm) -> dict[str, tuple[int, torch.Tensor]]:
     """Every parameter of the target and the draft model: (storage pointer, a copy of its values)."""
-    params = list(llm.runner.model.named_parameters()) + [("mtp." + n, p) for n, p in llm.drafter.model.named_parameters()]
+    params = list(llm.runner.model.named_parameters())
+    params += [("mtp." + name, param) for name, param in llm.drafter.model.named_parameters()]
     return {name: (p.data_ptr(), p.detach().clone()) for name, p in params}
 
 
