@@ -251,6 +251,11 @@ class Coordinator:
         if not self.healthy:
             raise ReplicaUnavailable(self.error)
         self._ensure_loop()
+        # NOTE: shielded: a caller that goes away (client disconnect) must not stop a reload half-way;
+        # it runs to the end and resumes admission itself.
+        return await asyncio.shield(asyncio.ensure_future(self._reload(model, mode)))
+
+    async def _reload(self, model: str | None, mode: str) -> dict:
         async with self._reload_lock:
             started = time.monotonic()
             files, _ = await asyncio.to_thread(check_replacement, self.served, model or str(self.files.path))
@@ -264,7 +269,6 @@ class Coordinator:
             finally:
                 self.core.scheduler.admit_new = True
                 self._wakeup.set()
-        self.weights_version += bool(changed)
         result = ReloadResult(len(changed), len(unchanged), round(time.monotonic() - started, 3),
                               self.weights_version, aborted)
         logger.info("weights reloaded from %s (%s): %s", files.path, mode, result)
@@ -292,6 +296,7 @@ class Coordinator:
             raise ReplicaUnavailable(f"a worker died during the weight reload: {exc}") from exc
         self.core.drop_cached_prefixes()
         self.files, self.served.path = files, files.path
+        self.weights_version += bool(changed)
         return changed, unchanged
 
     # -- requests ---------------------------------------------------------------------------------

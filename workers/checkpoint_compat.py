@@ -61,8 +61,9 @@ class CheckpointManifest:
             CheckpointError: a file is truncated or unreadable (naming the first tensor past its end).
             ValueError / OSError: the configuration cannot be parsed.
         """
-        check_complete(files.path)
-        ckpt = open_checkpoint(files.path)
+        if not files.is_gguf:
+            check_complete(files.path)
+        ckpt = open_checkpoint(files.path)   # a GGUF file is checked by parsing it
         shapes = {name: tuple(ckpt.get(name).shape) for name in ckpt.names()}
         return cls.from_config(files.path, load_config(files), shapes)
 

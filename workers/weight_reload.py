@@ -224,8 +224,9 @@ class ReloadableRank:
     def status(self) -> dict:
         """``{"pid", "weight_loads", "fingerprint"}`` (:meth:`WeightRecord.fingerprint` of the
         loaded bytes); it answers at once, so it is also the liveness ping."""
+        holder = self._weights()
         return {"pid": os.getpid(), "weight_loads": self.weight_loads,
-                "fingerprint": self._weights().weight_record.fingerprint()}
+                "fingerprint": holder.weight_record.fingerprint() if holder is not None else None}
 
     def reset_state(self) -> None:
         """Forget every request and zero the caches (after a peer was replaced or the weights changed)."""

@@ -150,3 +150,10 @@ def test_a_bad_checkpoint_is_refused_and_nothing_changes(llm, folder, tmp_path, 
     after = model_bytes(llm)
     assert all(torch.equal(params[n][1], after[n][1]) and params[n][0] == after[n][0] for n in params)
     assert greedy_ids(llm) == before and llm.weights_version == version
+
+
+@pytest.mark.slow
+def test_gguf_reload_of_unchanged_files_finds_every_tensor_unchanged(smollm2_llm):
+    """GGUF reads (dequantized, Llama Q/K un-permuted) digest the same way twice."""
+    result = smollm2_llm.reload_weights()
+    assert result.changed_tensors == 0 and result.unchanged_tensors == len(smollm2_llm.runner.weight_record.shapes)
