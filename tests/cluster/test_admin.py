@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from shardserve.cluster.admin import parse_reload, reload_weights
 from shardserve.cluster.openai_protocol import OpenAIError
 from shardserve.cluster.replica_pool import RECOVERING, ReplicaPool
+from shardserve.proto import inference_pb2 as pb
 
 
 @pytest.mark.parametrize("body,param", [
@@ -34,3 +36,40 @@ def test_every_replica_must_be_ready():
     response = asyncio.run(reload_weights(pool, b"{}"))
     body = json.loads(response.body)
     assert response.status_code == 503 and "replica 1: recovering: shard worker failed" in body["error"]["message"]
+
+
+class _Stub:
+    """Stands in for one replica's gRPC stub (this is a unit test of the fan-out, not of gRPC)."""
+
+    def __init__(self, log: list, index: int, error: grpc.StatusCode | None = None) -> None:
+        self.log, self.index, self.error = log, index, error
+
+    async def ReloadWeights(self, request):
+        self.log.append((self.index, request.model, request.mode))
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="tensor 'w' has shape [2]")
+        return pb.ReloadWeightsResponse(changed_tensors=1, unchanged_tensors=9, seconds=0.5, weights_version=2,
+                                        aborted_requests=self.index)
+
+
+def _pool(log: list, errors: dict) -> ReplicaPool:
+    pool = ReplicaPool(2)
+    for index, replica in enumerate(pool.replicas):
+        pool.update(index, {"state": "ready", "address": None, "info": {"healthy": True}})
+        replica.stub = _Stub(log, index, errors.get(index))
+    return pool
+
+
+def test_replicas_reload_one_after_another_and_a_refusal_stops_the_rollout():
+    log: list = []
+    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}'))
+    body = json.loads(response.body)
+    assert response.status_code == 200 and log == [(0, "/new", "abort"), (1, "/new", "abort")]
+    assert (body["changed_tensors"], body["weights_version"], body["aborted_requests"]) == (1, 2, 1)
+    assert [answer["replica"] for answer in body["replicas"]] == [0, 1]
+    log.clear()
+    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}"))
+    body = json.loads(response.body)
+    assert response.status_code == 400 and body["error"]["code"] == "invalid_checkpoint" and len(log) == 1
+    assert "tensor 'w'" in body["error"]["message"]

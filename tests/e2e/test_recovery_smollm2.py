@@ -71,13 +71,17 @@ def test_shard_worker_killed_during_four_streams_is_replaced_in_place(server):
     rank0_started = psutil.Process(rank0.pid).create_time()
 
     streams = [SseStream(server.base, f"{start}, {start + 1}, {start + 2}, {start + 3},") for start in (1, 11, 21, 31)]
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         for stream in streams:
             pool.submit(stream.read)
+        whole = pool.submit(http, server.base + "/v1/completions",    # and one request without streaming
+                            {"prompt": "1, 2, 3,", "max_tokens": 400, "temperature": 0})
         wait_for("every stream produced text", lambda: all(len(s.events) >= 2 for s in streams), 60)
         os.kill(rank1.pid, signal.SIGKILL)
         killed = time.monotonic()
         red = wait_for("/health red", lambda: server.health() == 503 and time.monotonic(), 5, period_s=0.05)
+        status, body = whole.result(5)
+    assert status == 503 and body["error"]["type"] == "service_unavailable_error", body
     for stream in streams:   # every stream ended within 5 s with a final error event, then [DONE]
         assert stream.ended_at - killed < 5
         assert stream.events[-1] == "[DONE]" and "error" in stream.events[-2], stream.events[-3:]
