@@ -9,10 +9,10 @@ from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine import EngineCore
 from shardserve.cluster.request import Logprob, SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
-from shardserve.cluster.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.cluster.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.workers.checkpoint_compat import CheckpointManifest
+from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import load_config, resolve_model
 
 

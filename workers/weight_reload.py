@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import xxhash
@@ -36,7 +35,6 @@ from torch import nn
 from shardserve.workers.checkpoint import Checkpoint, LazyTensor, open_checkpoint
 
 ReadKey = tuple[str, str]   # (checkpoint tensor name, repr of the index this rank read)
-
 
 
 def tensor_digest(tensor: torch.Tensor) -> int:
@@ -201,10 +199,6 @@ def reset_caches(model: nn.Module) -> None:
         for cache in layer.kv_cache or ():
             cache.zero_()
 
-
-def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Whether two paths name the same file or folder."""
-    return Path(a).resolve() == Path(b).resolve()
 
 
 class ReloadableRank:
