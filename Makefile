@@ -29,3 +29,4 @@ bench: install
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_speculative.py
+	$(PY) benchmarks/bench_recovery.py
