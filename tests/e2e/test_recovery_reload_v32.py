@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
 from serve_process import ServeProcess, http, wait_for
@@ -96,6 +97,11 @@ class GrpcStream:
         return self
 
 
+def grpc_health(server) -> int:
+    request = health_pb2.HealthCheckRequest(service="")
+    return health_pb2_grpc.HealthStub(server.channel).Check(request, timeout=10).status
+
+
 def prompts(count: int) -> list[str]:
     return [" ".join(tiny_token_text(3 + (11 * i + 5 * j) % 120) for j in range(6)) for i in range(count)]
 
@@ -115,7 +121,9 @@ def test_draft_worker_killed_during_four_streams_is_replaced_in_place(server, fo
     for stream in streams:
         stream.join()
         assert stream.code == grpc.StatusCode.UNAVAILABLE and stream.ended_at - killed < 5
+    assert grpc_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
     green = wait_for("/health green", lambda: server.health() == 200 and time.monotonic(), 20)
+    assert grpc_health(server) == health_pb2.HealthCheckResponse.SERVING
     print(f"\ndraft worker SIGKILL -> /health red {red - killed:.2f} s, green {green - killed:.2f} s")
     assert greedy(server) == before
     now = wait_for("the new draft worker reported", lambda: server.replaced("draft", 0, draft.pid), 30)
