@@ -8,15 +8,20 @@ blocks are partial). The real weight is ``W[i, j] = X.weight[i, j] * scale_inv[i
 
 :func:`dequantizing_checkpoint` wraps a checkpoint so that every such weight reads as float32
 (only the requested slice and the scale rows/columns that cover it), and the rest of loading is
-unchanged. Activations are *not* quantized: the engine computes in the runner's dtype with the
-dequantized weights.
+unchanged: the CPU path, where activations are *not* quantized and the engine computes in the
+runner's dtype with the dequantized weights. On GPUs :func:`keep_fp8_linears` first switches the
+dense linear layers to FP8 storage (their weights stay 1 byte per element and run through the
+block-scaled kernel); routed experts and layers whose tensor-parallel slices cut a scale block are
+still dequantized.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from torch import nn
 
 from shardserve.workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
 
@@ -145,3 +150,90 @@ def dequantizing_checkpoint(ckpt: Checkpoint, config) -> Checkpoint:
     if method == "fp8" or any(name.endswith(SCALE_SUFFIX) for name in ckpt.names()):
         return Fp8DequantCheckpoint(ckpt, block_size_of(config))
     return ckpt
+
+
+# -- FP8 kept on the GPU ------------------------------------------------------------------------
+
+def _column_aligned(layer, block: tuple[int, int]) -> bool:
+    """Every packed shard starts on a scale-block row, in the checkpoint and in the local weight."""
+    return all(start % block[0] == 0 and offset % block[0] == 0
+               for (_, start, _), offset in zip(layer.shards, layer.offsets))
+
+
+def keep_fp8_linears(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Switch column/row-parallel linears to FP8 storage where the checkpoint allows it (GPU path).
+
+    A layer is switched when every checkpoint tensor it reads has a ``weight_scale_inv``, its
+    ``fp8_allowed`` is True, and this rank's slices start on scale-block boundaries (uneven or
+    odd tensor-parallel splits that cut a scale block keep the dequantized weight). A switched layer
+    holds ``weight`` as ``float8_e4m3fn`` and ``weight_scale_inv`` ``[ceil(rows / bo), ceil(cols / bi)]``
+    float32 for its own slice, both filled by their ``weight_loader`` from ``raw``, and runs
+    :func:`kernels.fp8_block_linear` (see :func:`workers.layers.linear.linear`).
+
+    Args:
+        model: built (not yet loaded) model, on any device.
+        raw: the checkpoint without dequantization (FP8 tensors and their scales).
+        block_size: ``(bo, bi)`` of the checkpoint.
+
+    Returns:
+        names of the switched modules.
+    """
+    from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    kept = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) or not layer.fp8_allowed:
+            continue
+        sources = [src for src, _ in checkpoint_sources(model, f"{name}.weight", raw, layer.weight)]
+        if not all(src.endswith(".weight") and src[: -len("weight")] + SCALE_SUFFIX in raw for src in sources):
+            continue
+        column = isinstance(layer, ColumnParallelLinear)
+        if column and not _column_aligned(layer, block_size):
+            continue
+        if not column and layer.local_start % block_size[1]:
+            continue
+        rows, cols = layer.weight.shape
+        device = layer.weight.device
+        layer.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                                    requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(
+            torch.empty(math.ceil(rows / block_size[0]), math.ceil(cols / block_size[1]), device=device),
+            requires_grad=False)
+        layer.block_size = block_size
+        loader = _load_fp8_column if column else _load_fp8_row
+        layer.weight.weight_loader = functools.partial(loader, layer, raw, False)
+        layer.weight_scale_inv.weight_loader = functools.partial(loader, layer, raw, True)
+        kept.append(name)
+    return kept
+
+
+def _load_fp8_column(layer, raw: Checkpoint, is_scale: bool, param: nn.Parameter, tensor: LazyTensor,
+                     shard_id: int = 0) -> None:
+    """Copy packed shard ``shard_id``'s rows (or their scale rows) from the raw checkpoint."""
+    full, start, size = layer.shards[shard_id]
+    offset = layer.offsets[shard_id]
+    name = tensor.name if tensor.name.endswith(SCALE_SUFFIX) else tensor.name[: -len("weight")] + SCALE_SUFFIX
+    if not is_scale:
+        source = raw.require(tensor.name)
+        source.check_shape((full, layer.in_features))
+        param.data[offset:offset + size].copy_(source[start:start + size])
+        return
+    block_rows = layer.block_size[0]
+    source = raw.require(name, (math.ceil(full / block_rows), math.ceil(layer.in_features / layer.block_size[1])))
+    count = math.ceil(size / block_rows)
+    param.data[offset // block_rows:offset // block_rows + count].copy_(source[start // block_rows:start // block_rows + count])
+
+
+def _load_fp8_row(layer, raw: Checkpoint, is_scale: bool, param: nn.Parameter, tensor: LazyTensor,
+                  shard_id: int = 0) -> None:
+    """Copy this rank's columns (or their scale columns) from the raw checkpoint."""
+    start, size = layer.local_start, layer.local_size
+    if not is_scale:
+        source = raw.require(tensor.name, (layer.out_features, layer.in_features))
+        param.data.copy_(source[:, start:start + size])
+        return
+    block_rows, block_cols = layer.block_size
+    name = tensor.name if tensor.name.endswith(SCALE_SUFFIX) else tensor.name[: -len("weight")] + SCALE_SUFFIX
+    source = raw.require(name, (math.ceil(layer.out_features / block_rows), math.ceil(layer.in_features / block_cols)))
+    param.data.copy_(source[:, start // block_cols:start // block_cols + math.ceil(size / block_cols)])
