@@ -91,6 +91,11 @@ class DecodeGraphs:
         with forward_context(meta):
             return self.model(ids, pos)
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The fixed input buffers and the captured outputs."""
+        return ([("incoming", self._incoming), ("tables", self._tables), ("query_start", self._query_start)]
+                + [(f"output.{size}", out) for size, out in self._outputs.items()])
+
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of ``num_seqs`` decodes runs at (None: too large, run eagerly)."""
         return next((size for size in self.sizes if size >= num_seqs), None)

@@ -216,6 +216,26 @@ class ModelRunner:
                 "weights": memory.weights or self.weight_bytes, "activation": memory.activation,
                 "other": memory.other, "cache": self.cache_bytes}
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the runner keeps between steps: parameters, buffers, cache tensors, the
+        decode graphs' fixed buffers and the last hidden states."""
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        for idx, layer in enumerate(self.model.attention_layers()):
+            named += [(f"cache.{idx}.{i}", t) for i, t in enumerate(layer.kv_cache or ())]
+        if self.graphs is not None:
+            named += [(f"graphs.{name}", t) for name, t in self.graphs.named_tensors()]
+        if self.last_hidden_states is not None:
+            named.append(("last_hidden_states", self.last_hidden_states))
+        return named
+
+    def tensors_off_device(self, *extra: tuple[str, torch.Tensor]) -> list[str]:
+        """``"name: device"`` of every tensor of :meth:`named_tensors` (and ``extra``) that is not on
+        the runner's device, plus the sampler's generator; empty when everything is in place."""
+        wrong = [f"{name}: {t.device}" for name, t in [*self.named_tensors(), *extra] if t.device != self.device]
+        if self.generator.device != self.device:
+            wrong.append(f"generator: {self.generator.device}")
+        return wrong
+
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
