@@ -87,25 +87,29 @@ def _group_config(ns: argparse.Namespace):
                        device=ns.device)
 
 
-def cluster_gpus_per_worker(device: str, gpus_per_worker: float, num_workers: int) -> float:
-    """GPUs to reserve per worker once Ray is up: ``--device cuda`` (or ``auto`` on a cluster with
-    a GPU per worker) reserves one when ``--gpus-per-worker`` was left 0.
+def cluster_gpus_per_worker(device: str, gpus_per_worker: float, num_workers: int, address: str | None) -> float:
+    """GPUs to reserve per worker: ``--device cuda`` (or ``auto`` where there is a GPU per worker)
+    reserves one when ``--gpus-per-worker`` was left 0. A local cluster has this machine's GPUs
+    (checked before Ray starts); a joined one (``address``) has what Ray reports.
 
     Raises:
-        DeviceConfigError: GPUs are asked for (``--device cuda`` or ``--gpus-per-worker``) but the
-            Ray cluster has fewer than the workers need.
+        DeviceConfigError: GPUs are asked for (``--device cuda`` or ``--gpus-per-worker``) but there
+            are fewer than the workers need.
     """
-    import ray
-
-    from shardserve.workers.device import DeviceConfigError
+    from shardserve.workers.device import DeviceConfigError, visible_gpus
 
     if device == "cpu":
         return gpus_per_worker
-    available = ray.cluster_resources().get("GPU", 0.0)
+    if address:
+        import ray
+
+        available, where = ray.cluster_resources().get("GPU", 0.0), "the Ray cluster has"
+    else:
+        available, where = float(visible_gpus()), "this machine has"
     gpus = gpus_per_worker or (1.0 if device == "cuda" or available >= num_workers else 0.0)
     if gpus * num_workers > available:
         raise DeviceConfigError(f"--device {device}: {num_workers} worker(s) x {gpus:g} GPU need {gpus * num_workers:g} "
-                                f"GPUs; the Ray cluster has {available:g}; use --device cpu or add GPUs")
+                                f"GPUs; {where} {available:g}; use --device cpu or add GPUs")
     return gpus
 
 
@@ -156,12 +160,15 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     args.validate()
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    if not ns.address:
+        group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
-    try:
-        group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers)
-    except ValueError:
-        ray.shutdown()
-        raise
+    if ns.address:
+        try:
+            group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, ns.address)
+        except ValueError:
+            ray.shutdown()
+            raise
     handle, pg = launch_coordinator(args, group)
     try:
         try:
@@ -244,14 +251,17 @@ def _serve(ns: argparse.Namespace) -> int:
     cfg = _serve_args(ns)
     cfg.validate()
     stop = _interrupt_event()
+    num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
+    if not ns.address:
+        cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, None)
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     init_ray(ns.address, cfg.cpus_needed())
-    try:
-        cfg.gpus_per_worker = cluster_gpus_per_worker(
-            cfg.device, cfg.gpus_per_worker, cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1))
-    except ValueError:
-        ray.shutdown()
-        raise
+    if ns.address:
+        try:
+            cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, ns.address)
+        except ValueError:
+            ray.shutdown()
+            raise
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
@@ -311,10 +321,10 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
 
     group = _group_config(ns)
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(None, 1 + group.cpus_per_worker * num_workers)
     handle = pg = None
     try:
-        group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers)
         handle, pg = launch_coordinator(args, group)
         try:
             ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
