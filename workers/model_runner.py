@@ -115,7 +115,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device.type)
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
+        model_len = getattr(hf_config, "max_position_embeddings", 4096)   # the RoPE table's length
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.memory: MemoryPlan | None = None
         self.model, self.weight_bytes = build_model(
             hf_config, open_checkpoint(files.path), config.tensor_split, self.dtype, progress, device=self.device,
