@@ -56,7 +56,10 @@ class CupyNcclGroup(TensorParallelGroup):
         import cupy
         from cupy.cuda import nccl
 
-        index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+        if device is None:
+            index = torch.cuda.current_device()
+        else:
+            index = device if isinstance(device, int) else (torch.device(device).index or 0)
         self.device = torch.device("cuda", index)
         with cupy.cuda.Device(index):
             self.comm = nccl.NcclCommunicator(tp_size, unique_id, tp_rank)

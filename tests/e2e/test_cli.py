@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -95,6 +96,24 @@ def test_a_model_that_does_not_fit_is_a_clear_error(tmp_path):
     line = _one_line_error(proc)
     assert re.search(r"the model does not fit in host memory: weights \d+\.\d\d GiB \+ KV cache 1\.00 GiB exceed "
                      r"the \d+\.\d\d GiB available", line), line
+
+
+@pytest.mark.ray
+def test_generate_tensor_parallel_equals_one_rank(tmp_path):
+    """``generate -tp 2`` (a local Ray cluster, two shard workers, shared-memory all-reduce) prints
+    the greedy completion of the in-process run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_checkpoints import write_tiny_llama
+
+    write_tiny_llama(tmp_path, tokenizer=True)
+    exe = Path(sys.executable).parent / "shardserve"
+    args = [str(exe), "generate", "--model", str(tmp_path), "--prompt", "w005 w017 w033", "--max-tokens", "12",
+            "--device", "cpu", "--dtype", "float32"]
+    one = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(args + ["-tp", "2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert len(one.stdout.split()) == 12 and two.stdout == one.stdout
 
 
 def test_default_model_is_reused_from_the_cache(smollm2_files, monkeypatch):
