@@ -131,10 +131,12 @@ def parity_tiny(report: Report, device: str, tiny) -> None:
         ours32 = forced_logits(make_runner(path, device=device, dtype="float32"), tokens, 16)
         diff = (ours32 - ref32).abs().max().item()
         same = ours32.argmax(-1).tolist() == ref32.argmax(-1).tolist()
-        report.check(diff < 2e-3 and same, f"parity fp32: {arch} vs transformers", f"max|dlogit| {diff:.2e}, argmax equal {same}")
+        report.check(diff < 2e-3 and same, f"parity fp32: {arch} vs transformers",
+                     f"max|dlogit| {diff:.2e}, argmax equal {same}")
         ours16 = relative_error(forced_logits(make_runner(path, device=device, dtype="bfloat16"), tokens, 16), ours32)
         bound = 1.25 * relative_error(ref16, ref32) + 0.02
-        report.check(ours16 <= bound, f"parity bf16: {arch} within reference bf16 error", f"{ours16:.4f} <= {bound:.4f}")
+        report.check(ours16 <= bound, f"parity bf16: {arch} within reference bf16 error",
+                     f"{ours16:.4f} <= {bound:.4f}")
 
 
 def parity_fp8(report: Report, device: str, tiny) -> None:
@@ -155,7 +157,8 @@ def parity_fp8(report: Report, device: str, tiny) -> None:
         runner.allocate_kv_cache(runner.num_blocks)
     kept = sum(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
     diff = (forced_logits(runner, tokens, 12) - reference).abs().max().item()
-    report.check(kept > 0 and diff < 2e-3, "parity fp8: V3.2 FP8 kept == dequantized", f"{kept} fp8 tensors, max|dlogit| {diff:.2e}")
+    report.check(kept > 0 and diff < 2e-3, "parity fp8: V3.2 FP8 kept == dequantized",
+                 f"{kept} fp8 tensors, max|dlogit| {diff:.2e}")
 
 
 def smollm2_files():
@@ -193,7 +196,8 @@ def parity_smollm2(report: Report, device: str, steps: int) -> None:
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         same = next((k for k, (a, b) in enumerate(zip(done.token_ids, ref)) if a != b), steps)
         need = min(4, steps)
-        report.check(same >= need, f"parity {dtype} smollm2 prompt {i} vs transformers", f"first {same}/{steps} tokens equal")
+        report.check(same >= need, f"parity {dtype} smollm2 prompt {i} vs transformers",
+                     f"first {same}/{steps} tokens equal")
     del hf, llm
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -223,7 +227,8 @@ def nccl(report: Report, device: str) -> None:
     torch.cuda.synchronize()
     ok = ok and torch.equal(out[0], static * 2)
     group.close()
-    report.check(ok, "nccl: 1-rank communicator, eager + in a CUDA graph", f"cupy NCCL on {torch.cuda.get_device_name()}")
+    report.check(ok, "nccl: 1-rank communicator, eager + in a CUDA graph",
+                 f"cupy NCCL on {torch.cuda.get_device_name()}")
     if torch.cuda.device_count() < 2:
         report.line("SKIP", "nccl: 2 ranks", "one GPU visible (NCCL allows one rank per GPU)")
         return
@@ -292,7 +297,8 @@ def graphs(report: Report, device: str, tiny) -> None:
         models.append(("smollm2", files.path))
     graphed = "auto" if device == "cuda" else "replay"
     for name, path in models:
-        eager = make_runner(path, device=device, enforce_eager=True, decode_graphs="off", max_num_seqs=8, num_blocks=128)
+        eager = make_runner(path, device=device, enforce_eager=True, decode_graphs="off", max_num_seqs=8,
+                            num_blocks=128)
         cap = make_runner(path, device=device, decode_graphs=graphed, max_num_seqs=8, num_blocks=128)
         a, _ = decode_tokens(eager, 5, 12, steps)
         b, _ = decode_tokens(cap, 5, 12, steps)
@@ -329,7 +335,8 @@ def memory(report: Report, device: str, tiny) -> None:
         plan = runner.memory
         blocks = runner.max_num_blocks()
         ok = 0 < plan.cache and blocks * runner.bytes_per_block <= plan.cache
-        report.check(ok, f"memory: {Path(path).name} at --gpu-memory-utilization 0.5", plan.summary() + f"; {blocks} blocks")
+        report.check(ok, f"memory: {Path(path).name} at --gpu-memory-utilization 0.5",
+                     plan.summary() + f"; {blocks} blocks")
     else:
         runner.profile_memory()   # the profiling forward runs; nothing is measured on CPU
         report.check(runner.max_num_blocks() == (1 << 26) // runner.bytes_per_block,
@@ -357,11 +364,13 @@ def write_llama(path: Path, device: str, **shape) -> Path:
 
     config = LlamaConfig(**shape, tie_word_embeddings=True)
     config.save_pretrained(str(path))
-    hidden, inter, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     head_dim = hidden // heads
     gen = torch.Generator(device=device).manual_seed(0)
     rand = lambda *s: (torch.randn(*s, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()  # noqa: E731
-    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
@@ -386,7 +395,8 @@ def throughput(report: Report, device: str) -> None:
                   num_key_value_heads=2, max_position_embeddings=512) if dry else
              dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096))
-    models.append(("llama-shaped " + ("tiny" if dry else "1.2B") + " bf16", write_llama(Path(tempfile.mkdtemp()), device, **shape)))
+    llama = write_llama(Path(tempfile.mkdtemp()), device, **shape)
+    models.append((f"llama-shaped {'tiny' if dry else '1.2B'} bf16", llama))
     batches = (1, 4, 8) if dry else (1, 32, 256)
     peak_name = torch.cuda.get_device_name() if not dry else "cpu"
     spec = next((bw for key, bw in HBM_BANDWIDTH.items() if key in peak_name), None)
@@ -418,7 +428,8 @@ def throughput(report: Report, device: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the same checks on the CPU (see the docstring)")
-    parser.add_argument("--quick", action="store_true", help="skip the timed bf16 kernel cases and the throughput table")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the timed bf16 kernel cases and the throughput table")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip (e.g. smollm2,throughput)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -440,7 +451,8 @@ def main() -> int:
     def tiny(arch: str):
         if arch not in cache:
             path = root / arch
-            cache[arch] = path, (write_tiny_llama(path) if arch == "llama" else write_tiny_checkpoint(arch, path, seed=0))
+            hf = write_tiny_llama(path) if arch == "llama" else write_tiny_checkpoint(arch, path, seed=0)
+            cache[arch] = path, hf
         return cache[arch]
 
     report = Report()
