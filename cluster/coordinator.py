@@ -228,7 +228,6 @@ class Coordinator:
             "block_size": bm.block_size, "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_running": len(self.core.scheduler.running), "num_waiting": len(self.core.scheduler.waiting),
             "healthy": self.healthy, "collective": self.group.collective, "dispatch": self.group_config.dispatch,
-            "device": self.group.rank_info[0]["memory"]["device"], "dtype": self.group.rank_info[0]["memory"]["dtype"],
             **(self.core.speculator.stats.as_dict() if self.core.speculator else {"speculative_tokens": 0}),
         }
 
