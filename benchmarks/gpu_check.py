@@ -74,7 +74,8 @@ def make_runner(path, **config):
     from shardserve.workers.model_source import ModelFiles, load_config, resolve_model
 
     files = ModelFiles(Path(path).name, Path(path)) if Path(path).is_dir() else resolve_model(str(path))
-    return ModelRunner(files, load_config(files), RunnerConfig(**{"block_size": 16, "num_blocks": 64, **config}),
+    return ModelRunner(files, load_config(files), RunnerConfig(**{"block_size": 16, "num_blocks": 64, "max_num_seqs": 8,
+                                                                  **config}),
                        progress=False)
 
 
