@@ -217,7 +217,31 @@ def fp8_cases(dtype, small: bool) -> list[Case]:
         cases.append(Case(f"fp8_linear T{num_rows} N{out_features} K{in_features} blk{block[0]}", dtype,
                           lambda x=x: fp8_block_linear_triton(x, weight, scale, block),
                           lambda x=x: fp8_block_linear_ref(x, weight, scale, block), work=work, tol_scale=2.0))
+    cases.append(_fp8_moe_case(dtype, small, block))
     return cases
+
+
+def _fp8_moe_case(dtype, small: bool, block: tuple[int, int]) -> Case:
+    from shardserve.kernels.fused_moe import dequantize_fp8_experts, fused_moe_ref
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
+
+    tokens, experts, hidden, inter, top_k = (9, 4, 96, 64, 2) if small else (256, 64, 2048, 1024, 8)
+
+    def stacked(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values = (torch.randn(experts, rows, cols, device=DEVICE) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
+        return values, (torch.rand(grid, device=DEVICE) + 0.5) * cols ** -0.5 / 100
+
+    w13, s13 = stacked(2 * inter, hidden)
+    w2, s2 = stacked(hidden, inter)
+    x = torch.randn(tokens, hidden, dtype=dtype, device=DEVICE)
+    ids = torch.rand(tokens, experts, device=DEVICE).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=DEVICE).softmax(-1)
+    exact13, exact2 = (dequantize_fp8_experts(w, s, block, torch.float32) for w, s in ((w13, s13), (w2, s2)))
+    return Case(f"fp8 fused_moe T{tokens} E{experts} k{top_k} D{hidden} I{inter} blk{block[0]}", dtype,
+                lambda: fused_moe_triton(x, w13, w2, weights, ids, s13, s2, block),
+                lambda: fused_moe_ref(x.float(), exact13, exact2, weights, ids), "TFLOP/s",
+                2 * tokens * top_k * 3 * hidden * inter, tol_scale=2.0)
 
 
 def check(case: Case, bench: bool) -> bool:

@@ -160,6 +160,73 @@ def _column_aligned(layer, block: tuple[int, int]) -> bool:
                for (_, start, _), offset in zip(layer.shards, layer.offsets))
 
 
+def keep_fp8_weights(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Keep FP8 block-scaled weights in FP8 on the model (the GPU path): linear layers
+    (:func:`keep_fp8_linears`) and routed experts (:func:`keep_fp8_experts`).
+
+    Returns:
+        names of the switched modules.
+    """
+    return keep_fp8_linears(model, raw, block_size) + keep_fp8_experts(model, raw, block_size)
+
+
+def keep_fp8_experts(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Switch :class:`workers.models.moe.FusedExperts` to FP8 storage where every expert tensor has
+    a ``weight_scale_inv`` and the expert's intermediate size is a multiple of the scale block's
+    rows (gate and up rows of the stacked ``w13`` then never share a scale block). A switched
+    module holds ``w13_weight`` / ``w2_weight`` as ``float8_e4m3fn`` and ``w13_weight_scale_inv``
+    ``[E, 2 * I / bo, ceil(H / bi)]`` / ``w2_weight_scale_inv`` ``[E, ceil(H / bo), ceil(I / bi)]``,
+    each filled from its experts' tensors (experts are never split across ranks, so no slice can cut
+    a block), and runs :func:`kernels.fused_moe` on them.
+
+    Returns:
+        names of the switched modules.
+    """
+    from shardserve.workers.models.moe import FusedExperts
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    kept = []
+    for name, experts in model.named_modules():
+        if not isinstance(experts, FusedExperts) or experts.intermediate_size % block_size[0]:
+            continue
+        sources = [src for param_name in ("w13_weight", "w2_weight")
+                   for src, _ in checkpoint_sources(model, f"{name}.{param_name}", raw, getattr(experts, param_name))]
+        if not sources or not all(src[: -len("weight")] + SCALE_SUFFIX in raw for src in sources):
+            continue
+        for param_name in ("w13_weight", "w2_weight"):
+            old = getattr(experts, param_name)
+            rows, cols = old.shape[1:]
+            weight = nn.Parameter(torch.empty(old.shape, dtype=torch.float8_e4m3fn, device=old.device),
+                                  requires_grad=False)
+            scale = nn.Parameter(torch.empty(old.shape[0], math.ceil(rows / block_size[0]),
+                                             math.ceil(cols / block_size[1]), device=old.device), requires_grad=False)
+            weight.checkpoint_parts = old.checkpoint_parts
+            scale.checkpoint_parts = [(part[: -len("weight")] + SCALE_SUFFIX, shard) for part, shard in old.checkpoint_parts]
+            half_rows = rows // 2 if param_name == "w13_weight" else rows   # rows of one checkpoint tensor
+            weight.weight_loader = functools.partial(_load_fp8_expert, raw, half_rows, 1, param_name == "w13_weight")
+            scale.weight_loader = functools.partial(_load_fp8_expert, raw, half_rows, block_size[0],
+                                                    param_name == "w13_weight")
+            setattr(experts, param_name, weight)
+            setattr(experts, f"{param_name}_scale_inv", scale)
+        experts.block_size = block_size
+        kept.append(name)
+    return kept
+
+
+def _load_fp8_expert(raw: Checkpoint, rows: int, rows_per_entry: int, stacked: bool, param: nn.Parameter,
+                     tensor: LazyTensor, shard_id: int) -> None:
+    """Copy one expert tensor (or its scales) raw: ``shard_id`` is ``2 * local expert + (0 gate,
+    1 up)`` for the stacked ``w13``, the local expert for ``w2`` (see ``FusedExperts``)."""
+    name = tensor.name
+    source = raw.require(name)
+    count = math.ceil(rows / rows_per_entry)
+    expert, half = (shard_id // 2, shard_id % 2) if stacked else (shard_id, 0)
+    if source.shape[0] != count or tuple(source.shape[1:]) != tuple(param.shape[2:]):
+        raise CheckpointError(f"{source.file}: tensor {name!r} has shape {list(source.shape)}, expected "
+                              f"{[count, *param.shape[2:]]}")
+    param.data[expert, half * count:(half + 1) * count].copy_(source.load())
+
+
 def keep_fp8_linears(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
     """Switch column/row-parallel linears to FP8 storage where the checkpoint allows it (GPU path).
 

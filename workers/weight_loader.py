@@ -67,13 +67,13 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> i
 def _construct(config, tensor_split: list[float] | None, dtype: torch.dtype, device: torch.device | str,
                raw: Checkpoint, keep_fp8: bool) -> nn.Module:
     """The model class for ``config``, its parameters created on ``device`` (not loaded)."""
-    from shardserve.workers.fp8 import block_size_of, keep_fp8_linears
+    from shardserve.workers.fp8 import block_size_of, keep_fp8_weights
     from shardserve.workers.models.registry import model_class
 
     with torch.device(device):
         model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)
     if keep_fp8:
-        keep_fp8_linears(model, raw, block_size_of(config))
+        keep_fp8_weights(model, raw, block_size_of(config))
     return model
 
 
@@ -100,7 +100,7 @@ def build_model(config, ckpt: Checkpoint, tensor_split: list[float] | None = Non
     Args:
         config: the HF config (with serving switches).
         ckpt: the checkpoint; FP8 block-scaled weights are dequantized on read, except those of
-            the layers :func:`workers.fp8.keep_fp8_linears` switches when ``keep_fp8``.
+            the layers and experts :func:`workers.fp8.keep_fp8_weights` switches when ``keep_fp8``.
         tensor_split: relative per-rank shares (None = even).
         dtype: parameter dtype.
         device: where parameters and buffers live.

@@ -11,10 +11,12 @@ from shardserve.kernels.fp8_linear import fp8_block_linear_ref
 from shardserve.kernels.fp8_linear_triton import fp8_block_linear_triton
 
 
-def _quantized(rows: int, cols: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random weight as fp8 values plus per-block scales, and its exact float32 value."""
+def _quantized(rows: int, cols: int, block: tuple[int, int],
+               std: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight as fp8 values plus per-block scales (entries of about ``std``), and its exact
+    float32 value."""
     grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale = torch.rand(grid) * 0.02 + 0.001
+    scale = (torch.rand(grid) + 0.5) * std / 100
     values = (torch.randn(rows, cols) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return values, scale, values.float() * expanded
@@ -34,3 +36,23 @@ def test_fp8_linear_kernel_matches_reference(num_rows, out_features, in_features
                                atol=1e-3 if dtype == torch.float32 else 0.25, rtol=1e-3 if dtype == torch.float32 else 2e-2)
     out = fp8_block_linear_triton(x, weight, scale, block, bias)
     assert_close(out, ref, dtype, scale=4.0 if dtype == torch.bfloat16 else 10.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("num_tokens,block", [(3, (32, 32)), (21, (16, 32))], ids=["decode", "prefill"])
+def test_fp8_fused_moe_kernel_matches_reference(num_tokens, block, dtype):
+    from shardserve.kernels.fused_moe import fused_moe_ref
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
+
+    experts, hidden, inter, top_k = 4, 96, 64, 2
+    parts13 = [_quantized(2 * inter, hidden, block, hidden ** -0.5) for _ in range(experts)]
+    parts2 = [_quantized(hidden, inter, block, inter ** -0.5) for _ in range(experts)]
+    w13, s13, exact13 = (torch.stack(p) for p in zip(*parts13))
+    w2, s2, exact2 = (torch.stack(p) for p in zip(*parts2))
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    ids = torch.rand(num_tokens, experts).topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k).softmax(-1)
+    ref = fused_moe_ref(x.float(), exact13, exact2, weights, ids)       # float32 on the exact weights
+    out = fused_moe_triton(x, w13, w2, weights, ids, s13, s2, block)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, scale=2.0 if dtype == torch.bfloat16 else 10.0)

@@ -149,6 +149,7 @@ def test_fp8_weights_kept_in_fp8_give_the_dequantized_logits(checkpoints, tmp_pa
     kept.allocate_kv_cache(kept.num_blocks)
     fp8_layers = [name for name, p in kept.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
     assert any("q_b_proj" in n for n in fp8_layers) and any("o_proj" in n for n in fp8_layers)
+    assert any(n.endswith("experts.w13_weight") for n in fp8_layers)        # routed experts too
     assert not any("kv_b_proj" in n for n in fp8_layers)              # absorbed decode reads it directly
     tokens = torch.randint(2, 120, (14,), generator=torch.Generator().manual_seed(5)).tolist()
     torch.testing.assert_close(forced_logits(kept, tokens, 10), forced_logits(dequantized, tokens, 10),
