@@ -9,10 +9,10 @@ blocks are partial). The real weight is ``W[i, j] = X.weight[i, j] * scale_inv[i
 :func:`dequantizing_checkpoint` wraps a checkpoint so that every such weight reads as float32
 (only the requested slice and the scale rows/columns that cover it), and the rest of loading is
 unchanged: the CPU path, where activations are *not* quantized and the engine computes in the
-runner's dtype with the dequantized weights. On GPUs :func:`keep_fp8_linears` first switches the
-dense linear layers to FP8 storage (their weights stay 1 byte per element and run through the
-block-scaled kernel); routed experts and layers whose tensor-parallel slices cut a scale block are
-still dequantized.
+runner's dtype with the dequantized weights. On GPUs :func:`keep_fp8_weights` first switches the
+linear layers and the routed experts to FP8 storage (their weights stay 1 byte per element and run
+through the block-scaled Triton kernels); layers whose tensor-parallel slices cut a scale block, and
+``kv_b_proj`` (read directly by absorbed MLA decode), are still dequantized.
 """
 
 from __future__ import annotations
