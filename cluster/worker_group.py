@@ -84,7 +84,7 @@ class WorkerGroup:
         self._dag = None
         try:
             self.collective = self._init_collective(hf_config, runner_config, max_batched_tokens, max_num_seqs)
-            infos = ray.get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
+            infos = _first_failure_get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
         except Exception as exc:
             self.shutdown()
             cause = getattr(exc, "cause", None)
@@ -93,7 +93,7 @@ class WorkerGroup:
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
         try:
-            cache_bytes = ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+            cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"shard workers failed to allocate their caches: {exc}") from exc
@@ -147,12 +147,7 @@ class WorkerGroup:
         try:
             if self._dag is not None:
                 return ray.get(self._dag.execute(plan))[0]
-            refs = [w.execute.remote(plan) for w in self.workers]
-            pending = list(refs)
-            while pending:  # surface the first failing rank at once, not after rank 0 gives up
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
-            return ray.get(refs[0])
+            return _first_failure_get([w.execute.remote(plan) for w in self.workers])[0]
         except Exception as exc:
             if self._segment is not None:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
@@ -177,6 +172,16 @@ class WorkerGroup:
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+def _first_failure_get(refs: list) -> list:
+    """``ray.get(refs)``, but raising the first failure as soon as it happens: the other ranks may
+    be blocked in a collective waiting for the failed one (then the caller kills them)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
 
 
 class RemoteDrafter:
