@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels import fp8_block_linear
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.distributed import get_tp_group
 
@@ -24,8 +25,6 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     """``x W^T + bias`` for a layer's ``weight``: a plain matmul, or the FP8 block-scaled kernel
     when the weight is ``float8_e4m3fn`` (with ``layer.weight_scale_inv`` and ``layer.block_size``)."""
     if layer.weight.dtype == torch.float8_e4m3fn:
-        from shardserve.kernels.fp8_linear import fp8_block_linear
-
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, bias)
     return F.linear(x, layer.weight, bias)
 
