@@ -1,21 +1,21 @@
 """Everything GPU-side in one run (``benchmarks/gpu_check.sh``): kernels, device placement, parity,
 NCCL, CUDA graphs, memory sizing and decode throughput on one CUDA GPU.
 
-Sections (each prints ``ok``/``FAIL``/``SKIP`` lines; the run exits 1 on any FAIL):
+Sections, in the order they run (each prints ``ok``/``FAIL``/``SKIP`` lines; exit 1 on any FAIL):
 
-1. kernels: every Triton kernel against its torch reference (fp32 small, bf16 serving shapes, timed).
-2. placement: a tiny Llama and a tiny DeepSeek-V3.2 runner on the GPU; after prefill and graphed
+1. placement: a tiny Llama and a tiny DeepSeek-V3.2 runner on the GPU; after prefill and graphed
    decode steps no parameter, buffer, cache or input tensor is off the GPU.
-3. parity: tiny Llama / DeepSeek-V3 / V3.2 / GLM-5 checkpoints (written by transformers) on the GPU
+2. parity: tiny Llama / DeepSeek-V3 / V3.2 / GLM-5 checkpoints (written by transformers) on the GPU
    in float32 (logits within 2e-3 of transformers, greedy tokens equal) and bfloat16 (error within
    1.25x transformers' own bf16 error + 0.02); an FP8 block-scaled V3.2 kept in FP8 (Triton W8A16)
    against its dequantized weights; SmolLM2-135M GGUF in bf16 against transformers bf16 on the GPU
    (the first greedy tokens equal).
-4. nccl: a CuPy NCCL communicator bound to the GPU: all-reduce and all-gather values, eager and
+3. nccl: a CuPy NCCL communicator bound to the GPU: all-reduce and all-gather values, eager and
    captured in a CUDA graph (two processes when two GPUs are visible).
-5. graphs: greedy decode with captured CUDA graphs == eager (``enforce_eager``), and the host time
+4. graphs: greedy decode with captured CUDA graphs == eager (``enforce_eager``), and the host time
    of one captured decode step.
-6. memory: the KV budget of ``--gpu-memory-utilization`` (weights, profiled activations, other).
+5. memory: the KV budget of ``--gpu-memory-utilization`` (weights, profiled activations, other).
+6. kernels: every Triton kernel against its torch reference (fp32 small, bf16 serving shapes, timed).
 7. throughput: batch 1 / 32 / 256 decode tok/s of SmolLM2 and of a 1.2B Llama-shaped bf16 model
    (random weights), with the fraction of the GPU's HBM bandwidth reached (weights + KV read per step).
 
@@ -457,10 +457,12 @@ def main() -> int:
         return cache[arch]
 
     report = Report()
-    sections = [("kernels", kernels, dry, args.quick), ("placement", placement, device, tiny),
-                ("parity", parity_tiny, device, tiny), ("fp8", parity_fp8, device, tiny),
-                ("smollm2", parity_smollm2, device, 2 if dry else 16), ("nccl", nccl, device),
-                ("graphs", graphs, device, tiny), ("memory", memory, device, tiny), ("throughput", throughput, device)]
+    # The new checks first, the long kernel timings and the throughput table last (a run cut by the
+    # time limit still reports the rest).
+    sections = [("placement", placement, device, tiny), ("parity", parity_tiny, device, tiny),
+                ("fp8", parity_fp8, device, tiny), ("nccl", nccl, device), ("graphs", graphs, device, tiny),
+                ("memory", memory, device, tiny), ("smollm2", parity_smollm2, device, 2 if dry else 16),
+                ("kernels", kernels, dry, args.quick), ("throughput", throughput, device)]
     for name, fn, *fn_args in sections:
         if name in skip or (name == "throughput" and args.quick):
             report.line("SKIP", name, "--skip" if name in skip else "--quick")
