@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -27,6 +28,13 @@ class EngineArgs:
         indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
+            ``cuda`` or ``cpu`` (``workers/device.py``).
+        dtype: weights and activations: ``auto`` (bfloat16 on CUDA, float32 on CPU), ``bfloat16``,
+            ``float16`` or ``float32``.
+        gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
+            caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
+        enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
         recovery_timeout: seconds a replica may take to repair a dead shard / draft worker in place
             (new actors in the same bundles; 0 = no in-place repair: the replica fails and Serve
             replaces it).
@@ -47,6 +55,10 @@ class EngineArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     recovery_timeout: float = 300.0
 
     def validate(self) -> None:
@@ -71,6 +83,23 @@ class EngineArgs:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
         if not self.recovery_timeout >= 0:
             raise ValueError(f"--recovery-timeout must be >= 0 seconds (0 = off), got {self.recovery_timeout}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_utilization(self.gpu_memory_utilization)
+
+    def runner_config(self):
+        """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
+        resolved on each rank)."""
+        from shardserve.workers.model_runner import RunnerConfig
+
+        return RunnerConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gib * 2**30),
+                            num_blocks=self.num_blocks, tensor_split=self.tensor_split, device=self.device,
+                            dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            seed=self.seed)
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -9,6 +9,7 @@ trip per step) or plain actor calls; both send the same StepPlan to every rank a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class GroupConfig:
     strategy: str = "PACK"              # PACK (one node) or SPREAD
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
     dispatch: str = "compiled"          # "compiled" (Ray Compiled Graph) or "calls"
+    device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
 
 
 class WorkerGroup:
@@ -84,16 +86,25 @@ class WorkerGroup:
         self._dag = None
         try:
             self.collective = self._init_collective()
-            infos = ray.get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
+            infos = _first_failure_get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
         except Exception as exc:
             self.shutdown()
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ValueError):   # a bad device request or a model that does not fit: say it as is
+                raise cause from None
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
-        cache_bytes = ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+        try:
+            cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+        except Exception as exc:
+            self.shutdown()
+            raise WorkerDiedError(f"shard workers failed to allocate their caches: {exc}") from exc
         for rank, (info, nbytes) in enumerate(zip(infos, cache_bytes)):
             info["cache_bytes"] = nbytes
-            logger.info("TP rank %d (pid %d): weights %.1f MiB, KV cache %.1f MiB in %d blocks",
-                        rank, info["pid"], info["weight_bytes"] / 2**20, nbytes / 2**20, self.num_blocks)
+            mem = info["memory"]
+            logger.info("TP rank %d (pid %d, %s, %s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in "
+                        "%d blocks", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
+                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks)
         self.rank_info = infos
         if config.dispatch == "compiled":
             self._compile()
@@ -126,7 +137,7 @@ class WorkerGroup:
             return "none"
         nodes = ray.get([w.node_address.remote() for w in self.workers], timeout=timeout_s)
         same_node = len({node for node, _ in nodes}) == 1
-        device = "cuda" if self.config.gpus_per_worker else "cpu"
+        device = "cuda" if self.config.gpus_per_worker and self.config.device != "cpu" else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
         if kind == "shm":
             from shardserve.workers.comm_cpu import SharedMemorySegment
@@ -160,12 +171,7 @@ class WorkerGroup:
         try:
             if self._dag is not None:
                 return ray.get(self._dag.execute(plan))[0]
-            refs = [w.execute.remote(plan) for w in self.workers]
-            pending = list(refs)
-            while pending:  # surface the first failing rank at once, not after rank 0 gives up
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
-            return ray.get(refs[0])
+            return _first_failure_get([w.execute.remote(plan) for w in self.workers])[0]
         except Exception as exc:
             if self._segment is not None:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
@@ -205,16 +211,14 @@ class WorkerGroup:
             ray.get([self.workers[rank].leave_group.remote() for rank in survivors], timeout=left())
             self._close_segment()
             self.collective = self._init_collective(left())
-            infos = ray.get([self.workers[rank].load.remote(self.files, self.hf_config, self.runner_config)
-                             for rank in dead], timeout=left())
-            short = [(rank, info["max_num_blocks"]) for rank, info in zip(dead, infos)
-                     if info["max_num_blocks"] < self.num_blocks]
-            if short:
-                raise WorkerDiedError(f"replacement rank {short[0][0]} holds {short[0][1]} KV blocks, "
-                                      f"the group uses {self.num_blocks}")
-            sizes = ray.get([self.workers[rank].allocate_kv_cache.remote(self.num_blocks) for rank in dead],
-                            timeout=left())
-            ray.get([self.workers[rank].reset_state.remote() for rank in survivors], timeout=left())
+            # Replacements load their slices with the group's block count (no memory profile: its
+            # forward would need the survivors) and capture their decode graphs, while the survivors
+            # forget their requests, zero their caches and capture theirs again (graphs hold the old
+            # communicator's all-reduces): on CUDA both sides' captures run collectives together.
+            config = dataclasses.replace(self.runner_config, num_blocks=self.num_blocks)
+            answers = ray.get([self.workers[rank].load.remote(self.files, self.hf_config, config) for rank in dead]
+                              + [self.workers[rank].rejoin.remote() for rank in survivors], timeout=left())
+            infos = answers[:len(dead)]
         except GetTimeoutError as exc:
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
@@ -222,8 +226,8 @@ class WorkerGroup:
                                "(is its node gone?)") from exc
         except RayError as exc:
             raise WorkerDiedError(f"repairing the group failed: {describe(exc)}") from exc
-        for rank, info, nbytes in zip(dead, infos, sizes):
-            info["cache_bytes"] = nbytes
+        for rank, info in zip(dead, infos):
+            info["cache_bytes"] = info["memory"]["cache"]
             self.rank_info[rank] = info
         if self.config.dispatch == "compiled":
             self._compile()
@@ -297,6 +301,16 @@ def unresponsive(status_refs: list, timeout_s: float) -> list[int]:
     return dead
 
 
+def _first_failure_get(refs: list) -> list:
+    """``ray.get(refs)``, but raising the first failure as soon as it happens: the other ranks may
+    be blocked in a collective waiting for the failed one (then the caller kills them)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
 class RemoteDrafter:
     """The replica's DraftWorker actor (MTP draft model), beside the shard workers.
 
@@ -306,15 +320,17 @@ class RemoteDrafter:
         config: CPUs/GPUs of the actor (one shard worker's share).
         placement: an existing placement group and the draft's bundle index in it (None: no group).
         seed: seed of the draft's generator for unseeded requests.
+        device, dtype: as the shard workers' (``--device``, ``--dtype``).
 
     Raises:
         WorkerDiedError: the actor failed to start or load (e.g. the checkpoint has no MTP layer).
     """
 
     def __init__(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int, config: GroupConfig,
-                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0) -> None:
+                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0, device: str = "auto",
+                 dtype: str = "auto") -> None:
         self.files, self.hf_config, self.block_size, self.num_blocks = files, hf_config, block_size, num_blocks
-        self.seed, self.placement = seed, placement
+        self.seed, self.placement, self.device, self.dtype = seed, placement, device, dtype
         self._options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
         if placement is not None:
             self._options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -330,7 +346,7 @@ class RemoteDrafter:
     def _start(self, timeout_s: float | None) -> None:
         self.actor = ray.remote(DraftWorker).options(**self._options).remote(self._threads)
         self.info = ray.get(self.actor.load.remote(self.files, self.hf_config, self.block_size, self.num_blocks,
-                                                   seed=self.seed), timeout=timeout_s)
+                                                   self.dtype, self.seed, self.device), timeout=timeout_s)
 
     def propose(self, batch: DraftBatch) -> DraftResult:
         """Run one drafting pass on the actor.

@@ -62,9 +62,43 @@ class LazyTensor:
 
 
 class Checkpoint:
-    """Base class: a mapping from HF tensor names to :class:`LazyTensor` plus the config."""
+    """Base class: a mapping from HF tensor names to :class:`LazyTensor` plus the config.
+
+    Attributes:
+        path: the file or folder.
+        observer: None, or ``callable(tensor: LazyTensor, index: tuple, out: torch.Tensor)`` told of
+            every read of the tensors :meth:`get` returns after it was set (weight reloads record
+            digests of what each rank read: ``workers/weight_reload.py``).
+    """
 
     path: Path
+    observer: Callable[[LazyTensor, tuple, torch.Tensor], None] | None = None
+
+    def _lazy(self, name: str, file: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor]) -> LazyTensor:
+        """A :class:`LazyTensor` whose reads go past :attr:`observer` (when set)."""
+        tensor = LazyTensor(name, file, shape, read)
+        observer = self.observer
+        if observer is not None:
+            def observed(index: tuple) -> torch.Tensor:
+                out = read(index)
+                observer(tensor, index, out)
+                return out
+
+            tensor._read = observed
+        return tensor
+
+    def reopen(self, path: str | os.PathLike) -> None:
+        """Read ``path`` (same format) from now on, keeping :attr:`observer`; the object stays the
+        same, so loaders that hold it read the new files too.
+
+        Raises:
+            CheckpointError: ``path`` cannot be opened (this checkpoint is unchanged then).
+        """
+        fresh = self._open_like(path)
+        vars(self).update({key: value for key, value in vars(fresh).items() if key != "observer"})
+
+    def _open_like(self, path: str | os.PathLike) -> Checkpoint:
+        return type(self)(path)
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -148,7 +182,7 @@ class SafetensorsCheckpoint(Checkpoint):
             except Exception as exc:
                 raise CheckpointError(f"{fpath}: cannot read tensor {name!r} ({exc}); is the file truncated?") from exc
 
-        return LazyTensor(name, fpath, shape, read)
+        return self._lazy(name, fpath, shape, read)
 
 
 # GGUF tensor types that are plain arrays rather than quantized blocks.
@@ -219,7 +253,10 @@ class GGUFCheckpoint(Checkpoint):
                 cache.clear()  # the caller owns the full tensor now
             return full[index]
 
-        return LazyTensor(name, str(self.path), shape, read)
+        return self._lazy(name, str(self.path), shape, read)
+
+    def _open_like(self, path: str | os.PathLike) -> GGUFCheckpoint:
+        return GGUFCheckpoint(path, self.num_heads, self.num_kv_heads)
 
     def _dequantize(self, name: str, tensor, shape: tuple[int, ...]) -> torch.Tensor:
         from gguf import quants

@@ -7,10 +7,12 @@ only its own slices:
 
 - A rank's *digest* of a checkpoint read is xxh3-64 over the bytes the read returned, keyed by
   ``(tensor name, index)``: exactly the slice this rank loaded (its rows of a column-parallel
-  weight, its experts, the whole tensor for a replicated one). Digests are taken while the
-  weights load (:class:`DigestingCheckpoint`), so a later reload needs no second copy of the model.
-- :func:`stage_weights` reads every parameter of the new checkpoint through its own
-  ``weight_loader`` into a host scratch tensor, keeps the scratch only when a read's digest
+  weight, its experts, the whole tensor for a replicated one; FP8 weights and their scales as
+  stored). Digests are taken while the weights load (a :class:`ReadRecorder` observes the
+  checkpoint), so a later reload needs no second copy of the model.
+- :func:`stage_weights` reopens the rank's checkpoint object on the new files (loaders bound to it,
+  like those of FP8 weights kept on GPUs, then read them too), reads every parameter through its
+  own ``weight_loader`` into a host scratch tensor, keeps the scratch only when a read's digest
   differs, and writes nothing into the model. :meth:`StagedWeights.commit` then copies the kept
   tensors into the existing parameter storage (``param.data.copy_``): no reallocation, so data
   pointers (and CUDA graphs captured on them) stay valid.
@@ -67,37 +69,23 @@ class WeightRecord:
         return self._fingerprint
 
 
-class DigestingCheckpoint(Checkpoint):
-    """A view of ``inner`` that records every read in :attr:`record` (see the module docstring).
+class ReadRecorder:
+    """A checkpoint's :attr:`workers.checkpoint.Checkpoint.observer` that digests every read.
 
     Attributes:
         record: digests and shapes of everything read so far.
         reads: the keys read since the last :meth:`take_reads`, in order.
     """
 
-    def __init__(self, inner: Checkpoint) -> None:
-        self.inner, self.path = inner, inner.path
+    def __init__(self) -> None:
         self.record = WeightRecord()
         self.reads: list[ReadKey] = []
 
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.inner
-
-    def get(self, name: str) -> LazyTensor:
-        tensor = self.inner.get(name)
-        self.record.shapes[name] = tuple(tensor.shape)
-
-        def read(index: tuple) -> torch.Tensor:
-            out = tensor[index]
-            key = (name, repr(index))
-            self.record.digests[key] = tensor_digest(out)
-            self.reads.append(key)
-            return out
-
-        return LazyTensor(name, tensor.file, tensor.shape, read)
+    def __call__(self, tensor: LazyTensor, index: tuple, out: torch.Tensor) -> None:
+        key = (tensor.name, repr(index))
+        self.record.digests[key] = tensor_digest(out)
+        self.record.shapes[tensor.name] = tuple(tensor.shape)
+        self.reads.append(key)
 
     def take_reads(self) -> list[ReadKey]:
         """The keys read since the previous call."""
@@ -105,16 +93,17 @@ class DigestingCheckpoint(Checkpoint):
         return reads
 
 
-def open_digesting(path: str | os.PathLike, hf_config) -> DigestingCheckpoint:
-    """Open a checkpoint for loading with digests (FP8 block-scaled weights read dequantized, so
-    the digest covers what the parameter receives).
+def open_recorded(path: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint whose reads a :class:`ReadRecorder` digests (``ckpt.observer.record``).
+    Digests cover the raw bytes read (FP8 weights and their scales as stored), so they do not
+    depend on how a parameter keeps them.
 
     Raises:
         CheckpointError: the files cannot be opened.
     """
-    from shardserve.workers.fp8 import dequantizing_checkpoint
-
-    return DigestingCheckpoint(dequantizing_checkpoint(open_checkpoint(path), hf_config))
+    ckpt = open_checkpoint(path)
+    ckpt.observer = ReadRecorder()
+    return ckpt
 
 
 def param_sources(model: nn.Module, ckpt: Checkpoint) -> Iterator[tuple[str, nn.Parameter, list[tuple[str, int]]]]:
@@ -159,35 +148,39 @@ class StagedWeights:
 
 
 @torch.no_grad()
-def stage_weights(model: nn.Module, ckpt: DigestingCheckpoint, old: WeightRecord) -> StagedWeights:
+def stage_weights(model: nn.Module, ckpt: Checkpoint, hf_config, old: WeightRecord) -> StagedWeights:
     """Read ``ckpt`` for every parameter of ``model`` into host scratch tensors and keep those
     whose reads changed (see the module docstring). The model is not touched.
 
     Args:
         model: the loaded model (its parameters' ``weight_loader`` read the slices).
-        ckpt: the new checkpoint, opened with :func:`open_digesting`.
+        ckpt: the checkpoint the model was loaded from, reopened on the new files, with a fresh
+            :class:`ReadRecorder` (loaders that hold it read the new files too).
+        hf_config: the model's config (FP8 block-scaled weights are read as the loader did).
         old: what was recorded when the current weights were loaded.
 
     Raises:
         CheckpointError: a tensor is missing, has the wrong shape, or cannot be read.
     """
+    from shardserve.workers.fp8 import dequantizing_checkpoint
     from shardserve.workers.weight_loader import default_weight_loader
 
+    view, recorder = dequantizing_checkpoint(ckpt, hf_config), ckpt.observer
     staged = StagedWeights()
-    ckpt.take_reads()
-    for _, param, sources in param_sources(model, ckpt):
+    recorder.take_reads()
+    for _, param, sources in param_sources(model, view):
         loader = getattr(param, "weight_loader", default_weight_loader)
         # Host copy of the current contents: a loader that fills only part of a parameter leaves
         # the rest as it is, exactly as in the model. The model itself is untouched.
         scratch = param.detach().to("cpu", copy=True)
         for ckpt_name, shard_id in sources:
-            loader(scratch, ckpt.require(ckpt_name), shard_id)
-        changed = {key[0] for key in ckpt.take_reads() if ckpt.record.digests[key] != old.digests.get(key)}
+            loader(scratch, view.require(ckpt_name), shard_id)
+        changed = {key[0] for key in recorder.take_reads() if recorder.record.digests[key] != old.digests.get(key)}
         staged.read.update(name for name, _ in sources)
         if changed:
             staged.changed |= changed
             staged.updates.append((param, scratch))
-    staged.record = ckpt.record
+    staged.record = recorder.record
     return staged
 
 
@@ -205,8 +198,9 @@ class ReloadableRank:
     """Recovery and reload methods of a rank actor (mixed into ``ShardWorker`` and ``DraftWorker``).
 
     A subclass implements :meth:`_weights`: the object that holds ``model``, ``hf_config``,
-    ``requests`` (per-request state) and ``weight_record`` (:class:`WeightRecord`); it counts
-    ``weight_loads`` (reads of its weights from disk at start-up; a reload is not counted).
+    ``requests`` (per-request state), ``checkpoint`` (opened with :func:`open_recorded`) and
+    ``weight_record`` (:class:`WeightRecord`); it counts ``weight_loads`` (reads of its weights
+    from disk at start-up; a reload is not counted).
     """
 
     weight_loads = 0
@@ -239,7 +233,9 @@ class ReloadableRank:
         """
         holder = self._weights()
         self._staged = None
-        self._staged = stage_weights(holder.model, open_digesting(files.path, holder.hf_config), holder.weight_record)
+        holder.checkpoint.reopen(files.path)
+        holder.checkpoint.observer = ReadRecorder()
+        self._staged = stage_weights(holder.model, holder.checkpoint, holder.hf_config, holder.weight_record)
         return {"changed": sorted(self._staged.changed), "read": sorted(self._staged.read)}
 
     def commit_reload(self) -> int:

@@ -70,6 +70,7 @@ class ShardWorker(ReloadableRank):
         elif kind == "nccl":
             from shardserve.workers.comm_nccl import CupyNcclGroup
 
+            torch.cuda.set_device(0)   # Ray's CUDA_VISIBLE_DEVICES: this actor's GPU is device 0
             self.group = CupyNcclGroup(self.tp_rank, self.tp_size, info["unique_id"])
         else:
             raise ValueError(f"unknown collective backend {kind!r}")
@@ -79,19 +80,24 @@ class ShardWorker(ReloadableRank):
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "fingerprint", "shapes"}``
-            for the coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block
-            count of any rank (fingerprint and shapes: see :class:`workers.weight_reload.WeightRecord`).
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "memory", "fingerprint",
+            "shapes"}`` for the coordinator, which then calls :meth:`allocate_kv_cache` with the
+            smallest block count of any rank (``memory``: :meth:`ModelRunner.memory_info`;
+            fingerprint and shapes: :class:`workers.weight_reload.WeightRecord`).
+
+        Raises:
+            DeviceConfigError / DoesNotFitError: (``ValueError``) no GPU for ``--device cuda``, or
+                the model does not fit this rank's device.
         """
         self.runner = ModelRunner(files, hf_config, config, progress=False)
         self.weight_loads += 1
         record = self.runner.weight_record
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "fingerprint": record.fingerprint(),
-                "shapes": dict(record.shapes)}
+                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "memory": self.runner.memory_info(),
+                "fingerprint": record.fingerprint(), "shapes": dict(record.shapes)}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Allocate the paged caches; returns their bytes on this rank."""
+        """Allocate the paged caches (and capture the decode graphs); returns the caches' bytes on this rank."""
         self.runner.allocate_kv_cache(num_blocks)
         return self.runner.cache_bytes
 
@@ -108,6 +114,13 @@ class ShardWorker(ReloadableRank):
 
     def _weights(self) -> ModelRunner:
         return self.runner
+
+    def rejoin(self) -> None:
+        """A surviving rank after a peer was replaced and the group joined a new communicator:
+        forget every request, zero the caches, and capture the decode graphs again (they hold the
+        old communicator's all-reduces; on CUDA the replacement captures at the same time)."""
+        self.reset_state()
+        self.runner.capture_graphs()
 
     def leave_group(self) -> None:
         """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins

@@ -157,9 +157,11 @@ def test_gguf_slices_digest_the_same_twice(smollm2_llm):
     """GGUF reads (dequantized, Llama Q/K un-permuted) give the same digests on a second read, so
     a reload of unchanged GGUF files changes nothing (the rank-side half of a reload, without the
     coordinator's checks: each GGUF parse costs seconds here)."""
-    from shardserve.workers.weight_reload import open_digesting, stage_weights
+    from shardserve.workers.weight_reload import ReadRecorder, stage_weights
 
     runner = smollm2_llm.runner
-    staged = stage_weights(runner.model, open_digesting(smollm2_llm.files.path, runner.hf_config), runner.weight_record)
+    runner.checkpoint.reopen(smollm2_llm.files.path)
+    runner.checkpoint.observer = ReadRecorder()
+    staged = stage_weights(runner.model, runner.checkpoint, runner.hf_config, runner.weight_record)
     assert not staged.changed and not staged.updates
     assert staged.read == set(runner.weight_record.shapes) and len(staged.read) == 272
