@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode",
        "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer fp8-cache decode", "indexer prefill",
-       "fused_moe"]
+       "fused_moe", "gated_delta decode", "gated_delta chunked prefill", "causal_conv1d decode",
+       "causal_conv1d prefill"]
 
 
 def test_gpu_script_self_test_checks_every_kernel():
