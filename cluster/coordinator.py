@@ -61,7 +61,8 @@ class Coordinator:
         self.group = WorkerGroup(
             self.files, self.hf_config,
             RunnerConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                         num_blocks=args.num_blocks, tensor_split=args.tensor_split, seed=args.seed),
+                         num_blocks=args.num_blocks, tensor_split=args.tensor_split, seed=args.seed,
+                         max_num_seqs=args.max_num_seqs),
             group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -73,7 +74,8 @@ class Coordinator:
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator)
+                               args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots)
         self.healthy, self.error = True, None
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}

@@ -44,7 +44,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.files)
         self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
             block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-            num_blocks=args.num_blocks, seed=args.seed), progress=progress)
+            num_blocks=args.num_blocks, seed=args.seed, max_num_seqs=args.max_num_seqs), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -60,7 +60,7 @@ class LLM:
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-            args.enable_prefix_caching, speculator=speculator)
+            args.enable_prefix_caching, speculator=speculator, num_state_slots=self.runner.num_state_slots)
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a raw prompt (str), a chat (list of messages), or ids as given."""

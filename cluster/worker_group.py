@@ -88,6 +88,7 @@ class WorkerGroup:
             self.shutdown()
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
+        self.num_state_slots = infos[0]["num_state_slots"]   # same on every rank (max_num_seqs + 1 or 0)
         cache_bytes = ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         for rank, (info, nbytes) in enumerate(zip(infos, cache_bytes)):
             info["cache_bytes"] = nbytes

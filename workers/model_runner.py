@@ -2,7 +2,8 @@
 
 Common path only (vLLM V2 runner's rule): turn a :class:`StepPlan` into packed input tensors and
 attention metadata, run the forward, compute logits for the rows that sample, and (rank 0) sample.
-Features live in helpers: the sampler, the cache allocator, the model classes.
+Features live in helpers: the sampler, the cache allocator, the model classes, the recurrent-state
+pool of hybrid models (``workers/state_cache.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from shardserve.workers.forward_context import AttentionMetadata, forward_contex
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.state_cache import StateCache
 from shardserve.workers.weight_loader import build_model
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class RunnerConfig:
     tensor_split: list[float] | None = None
     dtype: torch.dtype = torch.float32
     seed: int = 0                        # seed of the generator for unseeded requests
+    max_num_seqs: int = 64               # running sequences at most (sizes the recurrent-state pool)
 
 
 def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
@@ -80,7 +83,10 @@ class ModelRunner:
 
     Attributes:
         num_blocks: KV blocks allocated on this rank.
-        weight_bytes / cache_bytes: memory held by weights and by the KV cache on this rank.
+        weight_bytes / cache_bytes: memory held by weights and by the KV cache (with the
+            recurrent-state pool, if any) on this rank.
+        num_state_slots: recurrent-state slots (hybrid models: ``max_num_seqs + 1``, one spare for
+            ``EngineCore.prompt_logits`` probes; 0 otherwise).
     """
 
     def __init__(self, files: ModelFiles, hf_config, config: RunnerConfig, progress: bool = True) -> None:
@@ -93,6 +99,9 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_blocks, self.cache_bytes = 0, 0
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
+        self.state_layers = getattr(self.model, "state_layers", list)()
+        self.num_state_slots = config.max_num_seqs + 1 if self.state_layers else 0
+        self.state_cache: StateCache | None = None
         if config.num_blocks is not None:
             self.allocate_kv_cache(config.num_blocks)
 
@@ -101,15 +110,37 @@ class ModelRunner:
         """KV cache bytes one block takes on this rank, over all layers."""
         return cache_bytes(self.model.attention_layers(), 1, self.block_size)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers)."""
+        return cache_bytes(self.state_layers, self.num_state_slots, 1)
+
     def max_num_blocks(self) -> int:
-        """Blocks that fit this rank's budget (``num_blocks`` when set, else ``kv_cache_bytes``)."""
-        return self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.bytes_per_block)
+        """Blocks that fit this rank's budget (``num_blocks`` when set, else what ``kv_cache_bytes``
+        leaves after the recurrent-state pool).
+
+        Raises:
+            ValueError: the state pool alone exceeds the budget.
+        """
+        if self.config.num_blocks:
+            return self.config.num_blocks
+        left = self.config.kv_cache_bytes - self.state_bytes
+        if left < self.bytes_per_block:
+            raise ValueError(f"the recurrent-state pool ({self.num_state_slots} slots, {self.state_bytes / 2**20:.1f} "
+                             f"MiB) leaves no room for KV blocks in {self.config.kv_cache_bytes / 2**20:.1f} MiB; "
+                             f"raise --kv-cache-gib or lower --max-num-seqs")
+        return left // self.bytes_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every layer's cache tensors (every rank gets the same
         count: the smallest any rank can hold), zero-filled."""
         self.num_blocks = num_blocks
         self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, self.block_size)
+        if self.state_layers:   # one state slot per sequence, beside the KV cache (same allocator)
+            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots, 1)
+            self.state_cache = StateCache(self.state_layers)
+            logger.info("rank %d: recurrent-state pool %.1f MiB in %d slots", get_tp_group().tp_rank,
+                        self.state_bytes / 2**20, self.num_state_slots)
         logger.info("rank %d: weights %.1f MiB, KV cache %.1f MiB in %d blocks of %d tokens",
                     get_tp_group().tp_rank, self.weight_bytes / 2**20, self.cache_bytes / 2**20,
                     self.num_blocks, self.block_size)
@@ -142,6 +173,7 @@ class ModelRunner:
             block_tables=block_tables,
             max_query_len=max(len(s.token_ids) for s in plan.scheduled),
             max_seq_len=max(seq_lens),
+            state=self.state_cache.begin_step(plan) if self.state_cache is not None else None,
         )
         return torch.tensor(input_ids, dtype=torch.int64), meta, torch.tensor(logits_rows, dtype=torch.int64)
 

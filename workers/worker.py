@@ -78,12 +78,14 @@ class ShardWorker:
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid"}`` for the coordinator,
-            which then calls :meth:`allocate_kv_cache` with the smallest block count of any rank.
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "num_state_slots", "pid"}`` for the
+            coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block count of
+            any rank (``num_state_slots``: recurrent-state slots of hybrid models, else 0).
         """
         self.runner = ModelRunner(files, hf_config, config, progress=False)
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid()}
+                "weight_bytes": self.runner.weight_bytes, "num_state_slots": self.runner.num_state_slots,
+                "pid": os.getpid()}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate the paged caches; returns their bytes on this rank."""
