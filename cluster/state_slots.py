@@ -30,7 +30,7 @@ class StateSlots:
         assert num_slots >= 1, f"num_slots={num_slots}"
         self.num_slots = num_slots
         self._free = list(range(num_slots))       # a heap
-        self._held: set[int] = set()
+        self._owner: dict[int, str] = {}          # slot -> request id holding it
 
     @property
     def num_free(self) -> int:
@@ -47,13 +47,14 @@ class StateSlots:
         if not self._free:
             return False
         request.state_slot = heapq.heappop(self._free)
-        self._held.add(request.state_slot)
+        self._owner[request.state_slot] = request.request_id
         return True
 
     def free(self, request: Request) -> None:
         """Return ``request``'s slot, if it holds one (idempotent)."""
         slot, request.state_slot = request.state_slot, None
         if slot is not None:
-            assert slot in self._held, f"state slot {slot} freed twice"
-            self._held.remove(slot)
+            owner = self._owner.get(slot)
+            assert owner == request.request_id, f"state slot {slot} freed twice (by {request.request_id!r}, held by {owner!r})"
+            del self._owner[slot]
             heapq.heappush(self._free, slot)
