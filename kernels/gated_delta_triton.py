@@ -8,10 +8,10 @@ sequences of any length share one launch (``cu_seqlens``) and no program touches
   the state after every token.
 - chunked: ``BLOCK_T = 64`` tokens at a time. In-chunk decays ``exp(G_i - G_j)`` (``G`` the
   cumulative log decay) weight ``A = (beta k) k^T`` and ``q k^T``; the unit lower-triangular
-  system ``(I + strict_lower(A))`` is inverted by forward substitution on the tile (one row per
-  iteration, as flash-linear-attention's ``solve_tril`` does on sub-blocks), which gives the
-  chunk's corrected values ``u - w S`` (the WY form of the delta rule) and then the outputs and
-  the next state with three matmuls.
+  system ``(I + strict_lower(A))`` is inverted on the tile by forward substitution in 16x16
+  diagonal blocks merged with three matmuls (flash-linear-attention's ``solve_tril`` does the
+  same), which gives the chunk's corrected values ``u - w S`` (the WY form of the delta rule) and
+  then the outputs and the next state with three more matmuls.
 """
 
 from __future__ import annotations
@@ -61,16 +61,25 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _unit_lower_inverse(a, BLOCK_T: tl.constexpr):
-    """``(I + a)^-1`` for a strictly lower-triangular ``[BLOCK_T, BLOCK_T]`` tile, by forward
-    substitution: row ``i`` of the inverse is ``e_i - a_i @ inv`` over the rows above it."""
+def _unit_lower_inverse(a, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr):
+    """``(I + a)^-1`` for a strictly lower-triangular ``[BLOCK_T, BLOCK_T]`` tile (``BLOCK_T = 64``).
+
+    The four 16x16 diagonal blocks are inverted together by forward substitution (row ``i`` of each
+    block is ``e_i - a_i @ inv`` over the rows above it: 15 steps), then merged: with ``D`` that
+    block-diagonal inverse and ``N = D a_off`` (``a_off`` = ``a`` below the diagonal blocks),
+    ``I + a = (I + a_diag)(I + N)`` and ``N`` is strictly block-lower over 4 blocks, so ``N^4 = 0``
+    and ``(I + a)^-1 = (I - N)(I + N^2) D``.
+    """
     rows = tl.arange(0, BLOCK_T)
-    inv = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    for i in range(BLOCK_T):
-        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)                       # row i of a, [BLOCK_T]
-        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, 0)
-        inv = tl.where(rows[:, None] == i, row[None, :], inv)
-    return inv
+    same_block = (rows[:, None] // 16) == (rows[None, :] // 16)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    a_diag = tl.where(same_block, a, 0.0)
+    inv = eye
+    for i in range(1, 16):
+        row_i = (rows % 16) == i
+        inv = tl.where(row_i[:, None], eye - mma(tl.where(row_i[:, None], a_diag, 0.0), inv, UPCAST), inv)
+    n = mma(inv, tl.where(same_block, 0.0, a), UPCAST)
+    return mma(mma(eye - n, eye + mma(n, n, UPCAST), UPCAST), inv, UPCAST)
 
 
 @triton.jit
@@ -111,7 +120,7 @@ def _chunk_kernel(
         decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))   # [BLOCK_T, BLOCK_T]
         k_beta = k * beta[:, None]
         a = tl.where(strict, mma(k_beta, tl.trans(k), UPCAST) * decay, 0.0)
-        inv = _unit_lower_inverse(a, BLOCK_T)
+        inv = _unit_lower_inverse(a, BLOCK_T, UPCAST)
         u = mma(inv, v * beta[:, None], UPCAST)                                    # [BLOCK_T, BLOCK_V]
         w = mma(inv, k_beta * tl.exp(cum)[:, None], UPCAST)                        # [BLOCK_T, BLOCK_K]
         v_new = u - mma(w, s, UPCAST)
