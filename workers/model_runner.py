@@ -125,11 +125,11 @@ class ModelRunner:
         if self.config.num_blocks:
             return self.config.num_blocks
         left = self.config.kv_cache_bytes - self.state_bytes
-        if left < self.bytes_per_block:
+        if self.state_layers and left < self.bytes_per_block:
             raise ValueError(f"the recurrent-state pool ({self.num_state_slots} slots, {self.state_bytes / 2**20:.1f} "
                              f"MiB) leaves no room for KV blocks in {self.config.kv_cache_bytes / 2**20:.1f} MiB; "
                              f"raise --kv-cache-gib or lower --max-num-seqs")
-        return left // self.bytes_per_block
+        return max(1, left // self.bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every layer's cache tensors (every rank gets the same
