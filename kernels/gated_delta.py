@@ -42,7 +42,7 @@ def _check(q, k, v, g, beta, cu_seqlens, state, slots) -> None:
 
 def gated_delta_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
-                              slots: torch.Tensor, keep_states: torch.Tensor | None = None) -> torch.Tensor:
+                              slots: torch.Tensor) -> torch.Tensor:
     """Token-by-token gated delta rule (transformers' ``torch_recurrent_gated_delta_rule``).
 
     Args:
@@ -51,8 +51,6 @@ def gated_delta_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens: ``[B + 1]`` int, token offsets of the ``B`` sequences.
         state: ``[num_slots, Hv, K, V]`` float32, read at and written back to ``slots``.
         slots: ``[B]`` int, each sequence's state slot (distinct).
-        keep_states: optional ``[T, Hv, K, V]`` float32: receives the state after each token
-            (speculative verify keeps them to roll back to any accepted prefix).
 
     Returns:
         ``o [T, Hv, V]`` in ``v.dtype``; ``state[slots]`` holds the states after each sequence.
@@ -74,8 +72,6 @@ def gated_delta_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         out[rows] = (s * q_t.unsqueeze(-1)).sum(dim=-2)
         states[seqs] = s
-        if keep_states is not None:
-            keep_states[rows] = s
     state[slots] = states
     return out.to(v.dtype)
 
@@ -118,7 +114,7 @@ def gated_delta_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     time: within a chunk the ``chunk_size`` delta updates are solved at once through the UT
     transform (a unit lower-triangular solve), chunks are scanned in order from the slot's state.
 
-    Args and returns: as :func:`gated_delta_recurrent_ref` (no ``keep_states``); ``chunk_size``
+    Args and returns: as :func:`gated_delta_recurrent_ref`; ``chunk_size``
     tokens per chunk, counted from each sequence's first token in this call.
     """
     _check(q, k, v, g, beta, cu_seqlens, state, slots)
@@ -137,14 +133,14 @@ def gated_delta_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return out.to(v.dtype)
 
 
-def gated_delta_recurrent(q, k, v, g, beta, cu_seqlens, state, slots, keep_states=None) -> torch.Tensor:
+def gated_delta_recurrent(q, k, v, g, beta, cu_seqlens, state, slots) -> torch.Tensor:
     """Dispatching recurrent rule (:func:`kernels.gated_delta_triton.gated_delta_recurrent_triton`
     or :func:`gated_delta_recurrent_ref`, same contract)."""
     if use_triton(v):
         from shardserve.kernels.gated_delta_triton import gated_delta_recurrent_triton
 
-        return gated_delta_recurrent_triton(q, k, v, g, beta, cu_seqlens, state, slots, keep_states)
-    return gated_delta_recurrent_ref(q, k, v, g, beta, cu_seqlens, state, slots, keep_states)
+        return gated_delta_recurrent_triton(q, k, v, g, beta, cu_seqlens, state, slots)
+    return gated_delta_recurrent_ref(q, k, v, g, beta, cu_seqlens, state, slots)
 
 
 def gated_delta_chunk(q, k, v, g, beta, cu_seqlens, state, slots) -> torch.Tensor:

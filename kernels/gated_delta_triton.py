@@ -4,8 +4,7 @@ Both kernels run one program per (sequence, value head, block of value dims): a 
 ``[K, BLOCK_V]`` slice of one sequence's state and walks that sequence's tokens in order, so
 sequences of any length share one launch (``cu_seqlens``) and no program touches another's slot.
 
-- recurrent: one rank-1 delta update per token (decode, speculative verify); optionally stores
-  the state after every token.
+- recurrent: one rank-1 delta update per token (decode, speculative verify).
 - chunked: ``BLOCK_T = 64`` tokens at a time. In-chunk decays ``exp(G_i - G_j)`` (``G`` the
   cumulative log decay) weight ``A = (beta k) k^T`` and ``q k^T``; the unit lower-triangular
   system ``(I + strict_lower(A))`` is inverted on the tile by forward substitution in 16x16
@@ -26,11 +25,11 @@ from shardserve.kernels.triton_utils import check_launchable, interpreting, mma,
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, keep_ptr, cu_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, cu_ptr, slot_ptr,
     stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, stride_kt, stride_kh, stride_kk,
+    stride_ss, stride_sh, stride_sk,
     GROUP, K, V,
-    HAS_KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + seq)
@@ -54,9 +53,6 @@ def _recurrent_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)
         tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_v, o, mask=v_mask)
-        if HAS_KEEP:
-            tl.store(keep_ptr + t * stride_kt + head * stride_kh + offs_k[:, None] * stride_kk + offs_v[None, :],
-                     s, mask=s_mask)
     tl.store(s_ptrs, s, mask=s_mask)
 
 
@@ -144,23 +140,18 @@ def _launch_args(q, k, v, g, beta, cu_seqlens, state, slots):
     return out, num_v_heads // k.shape[1], k_dim, v_dim
 
 
-def gated_delta_recurrent_triton(q, k, v, g, beta, cu_seqlens, state, slots, keep_states=None) -> torch.Tensor:
+def gated_delta_recurrent_triton(q, k, v, g, beta, cu_seqlens, state, slots) -> torch.Tensor:
     """Triton :func:`kernels.gated_delta.gated_delta_recurrent_ref` (same arguments and result);
     ``state`` is updated in place at ``slots``."""
     out, group, k_dim, v_dim = _launch_args(q, k, v, g, beta, cu_seqlens, state, slots)
-    keep = keep_states if keep_states is not None else state
-    if keep_states is not None:
-        assert keep_states.shape == (v.shape[0], *state.shape[1:]) and keep_states.stride(-1) == 1, \
-            f"keep_states {tuple(keep_states.shape)} vs [{v.shape[0]}, {tuple(state.shape[1:])}]"
     num_seqs = slots.shape[0]
     block_v = min(pow2(v_dim), 64)
     if num_seqs and v.shape[0]:
         _recurrent_kernel[(num_seqs, state.shape[1], triton.cdiv(v_dim, block_v))](
-            q, k, v, g, beta, out, state, keep, cu_seqlens, slots,
+            q, k, v, g, beta, out, state, cu_seqlens, slots,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
-            state.stride(0), state.stride(1), state.stride(2), keep.stride(0), keep.stride(1), keep.stride(2),
-            group, k_dim, v_dim, HAS_KEEP=keep_states is not None, BLOCK_K=pow2(k_dim), BLOCK_V=block_v,
-            num_warps=4)
+            state.stride(0), state.stride(1), state.stride(2),
+            group, k_dim, v_dim, BLOCK_K=pow2(k_dim), BLOCK_V=block_v, num_warps=4)
     return out
 
 

@@ -13,13 +13,15 @@ Invariants kept here, per step (vLLM's and SGLang's hybrid pools both had bugs o
 - *Position check*: a slot's state has folded in exactly the tokens before the step's
   ``start_pos``; anything else is a bookkeeping bug and raises instead of computing garbage.
 - *Speculative rollback* (ik_llama.cpp's "spec checkpoints for recurrent models"): a step that
-  verifies drafts runs its sequences token by token and keeps the state after every token
-  (matrix states from the recurrent kernel; conv windows as the window before the step plus the
-  step's conv inputs). Acceptance is decided on rank 0 only, but every rank learns it from the
-  request's next ``start_pos`` (the engine rolls ``num_computed_tokens`` back to the last accepted
-  token), and restores the kept state of that position before running anything, so rejected
-  drafts leave no trace. The sampler needs no checkpoint: a request's random streams are keyed
-  by output index (``workers/sampler.py``), so a rejected draft consumes nothing a later token uses.
+  verifies drafts runs its sequences token by token and checkpoints, per layer, their conv windows
+  and matrix states from before the step plus the step's conv and delta-rule inputs (one state per
+  sequence, not one per draft position). Acceptance is decided on rank 0 only, but every rank
+  learns it from the request's next ``start_pos`` (the engine rolls ``num_computed_tokens`` back to
+  the last accepted token): before anything runs, the slot is reset to the checkpoint and the
+  accepted tokens are folded in again by the same recurrent kernel (and the conv window rebuilt
+  from the kept inputs), which reproduces the state after the last accepted token, so rejected
+  drafts leave no trace. The sampler needs no checkpoint: a request's random streams are keyed by
+  output index (``workers/sampler.py``), so a rejected draft consumes nothing a later token uses.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardserve.kernels import gated_delta_recurrent
 from shardserve.workers.messages import StepPlan
 
 
@@ -52,15 +55,16 @@ class StateMetadata:
     slots: torch.Tensor              # [B] int32
     chunked: SeqGroup | None
     recurrent: SeqGroup | None
-    keep: bool                       # some sequence verifies drafts: record per-token states
-    # filled by the layers when ``keep``: state index -> (conv windows before the step of the
-    # recurrent group [B_r, C, W-1], conv inputs [T_r, C], matrix state after each token [T_r, Hv, K, V])
-    snapshots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    keep: bool                       # some sequence verifies drafts: the layers checkpoint the recurrent group
+    # filled by the layers when ``keep``: state index -> (conv windows [B_r, C, W-1] and matrix states
+    # [B_r, Hv, K, V] of the recurrent group before the step, its conv inputs [T_r, C], its delta-rule
+    # inputs (q, k, v, g, beta) per token)
+    snapshots: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Verify:
-    """A verify step's kept states, until the request's next step says how much was accepted."""
+    """A verify step's checkpoint, until the request's next step says how much was accepted."""
 
     start_pos: int                   # position of the step's first token
     num_tokens: int                  # tokens it computed (last real token + drafts)
@@ -111,24 +115,38 @@ class StateCache:
         self.seqs[req_id] = _SlotState(slot)
         self._owner[slot] = req_id
 
-    def _rollback(self, req_id: str, seq: _SlotState, start_pos: int) -> None:
-        """Restore the state of position ``start_pos`` kept by the request's verify step."""
+    def _accepted(self, req_id: str, seq: _SlotState, start_pos: int) -> int:
+        """Tokens of the request's verify step that stay (it resumes at ``start_pos``)."""
         verify, seq.verify = seq.verify, None
-        accepted = start_pos - verify.start_pos        # tokens of the verify step that stay
+        accepted = start_pos - verify.start_pos
         if not 1 <= accepted <= verify.num_tokens:
             raise RuntimeError(f"request {req_id!r}: resumes at {start_pos} after verifying positions "
                                f"{verify.start_pos}..{verify.start_pos + verify.num_tokens - 1}")
-        if accepted == verify.num_tokens:
-            return
-        row = verify.token_offset + accepted - 1
+        seq.num_tokens = start_pos
+        return accepted
+
+    def _roll_back(self, verify_snapshots: dict, rollbacks: list[tuple[int, _Verify, int]]) -> None:
+        """Reset slots to one verify step's checkpoint and fold the accepted tokens in again, every
+        layer at once for all ``(slot, verify, accepted)`` of that step."""
+        device = self.device
+        slots = torch.tensor([slot for slot, _, _ in rollbacks], dtype=torch.int32, device=device)
+        rows = torch.tensor([v.group_row for _, v, _ in rollbacks], device=device)
+        offsets = torch.tensor([v.token_offset for _, v, _ in rollbacks], device=device)
+        accepted = torch.tensor([n for _, _, n in rollbacks], device=device)
+        tokens = torch.cat([torch.arange(v.token_offset, v.token_offset + n) for _, v, n in rollbacks]).to(device)
+        cu_seqlens = torch.tensor([0, *torch.tensor([n for _, _, n in rollbacks]).cumsum(0).tolist()],
+                                  dtype=torch.int32, device=device)
         for layer in self.layers:
-            conv_before, conv_inputs, ssm_after = verify.snapshots[layer.state_index]
+            conv_before, ssm_before, conv_inputs, delta_inputs = verify_snapshots[layer.state_index]
             conv_state, ssm_state = layer.kv_cache
             width = conv_state.shape[-1]
-            inputs = conv_inputs[verify.token_offset:verify.token_offset + accepted].transpose(0, 1)
-            conv_state[seq.slot] = torch.cat((conv_before[verify.group_row], inputs), dim=-1)[:, -width:]
-            ssm_state[seq.slot] = ssm_after[row]
-        seq.num_tokens = start_pos
+            # window entry j after n accepted tokens = entry n + j of [window before, the step's inputs]
+            ext = accepted[:, None] + torch.arange(width, device=device)[None, :]                # [R, W-1]
+            before = conv_before[rows[:, None], :, ext.clamp(max=width - 1)]                     # [R, W-1, C]
+            inputs = conv_inputs[(offsets[:, None] + ext - width).clamp(min=0)]                  # [R, W-1, C]
+            conv_state[slots.long()] = torch.where((ext < width)[..., None], before, inputs).transpose(1, 2)
+            ssm_state[slots.long()] = ssm_before[rows]
+            gated_delta_recurrent(*(x[tokens] for x in delta_inputs), cu_seqlens, ssm_state, slots)
 
     def begin_step(self, plan: StepPlan) -> StateMetadata:
         """Apply the plan's request diff to the pool (forget finished requests, zero the slots of new
@@ -142,12 +160,21 @@ class StateCache:
             self._forget(req_id)
         for new in plan.new_requests:
             self._assign(new.req_id, new.state_slot)
+        rollbacks: dict[int, tuple[dict, list]] = {}   # verify step -> (its snapshots, [(slot, verify, accepted)])
+        for sched in plan.scheduled:
+            seq = self.seqs[sched.req_id]
+            if seq.verify is not None:
+                verify = seq.verify
+                accepted = self._accepted(sched.req_id, seq, sched.start_pos)
+                if accepted < verify.num_tokens:
+                    rollbacks.setdefault(id(verify.snapshots), (verify.snapshots, []))[1].append(
+                        (seq.slot, verify, accepted))
+        for snapshots, members in rollbacks.values():
+            self._roll_back(snapshots, members)
         slots, lens, chunked, recurrent = [], [], [], []
         verifies: list[tuple[_SlotState, int]] = []
         for i, sched in enumerate(plan.scheduled):
             seq = self.seqs[sched.req_id]
-            if seq.verify is not None:
-                self._rollback(sched.req_id, seq, sched.start_pos)
             if seq.num_tokens != sched.start_pos:
                 raise RuntimeError(f"request {sched.req_id!r}: state slot {seq.slot} holds {seq.num_tokens} tokens "
                                    f"but the step starts at position {sched.start_pos}")

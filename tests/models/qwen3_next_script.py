@@ -49,3 +49,28 @@ def transformers_logits(hf, prompt: list[int], generated: list[int]) -> torch.Te
     ``[len(generated), vocab]``."""
     logits = hf(torch.tensor([prompt + generated[:-1]])).logits[0].float()
     return logits[len(prompt) - 1:]
+
+
+def verify_with_rejection(runner, greedy_tokens: list[int]) -> torch.Tensor:
+    """On a fresh runner: prefill the 20-token prompt, verify two drafts of which the second is
+    wrong, continue from the accepted position; every rank builds the same plans (as the
+    coordinator would send them).
+
+    Args:
+        runner: a runner that has not served any request yet.
+        greedy_tokens: the prompt's greedy continuation (at least 3 tokens).
+
+    Returns:
+        the logits ``[vocab]`` after ``prompt + greedy_tokens[:3]`` (row 3 of the plain run's).
+    """
+    from shardserve.workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
+
+    prompt = prompts()["p20"]
+    wrong = (greedy_tokens[2] + 1) % 128
+    blocks = list(range(7))   # 28 token slots for 23 positions
+    runner.compute_logits(StepPlan([NewRequestData("v", SamplingOptions(temperature=0), 0)],
+                                   [ScheduledRequest("v", prompt, 0, blocks, True, 0)]))
+    runner.compute_logits(StepPlan([], [ScheduledRequest("v", [greedy_tokens[0], greedy_tokens[1], wrong], 20, [],
+                                                         True, 1, num_spec_tokens=2)]))
+    # rank 0 accepts greedy_tokens[1], rejects `wrong` and emits greedy_tokens[2]: resume at 22
+    return runner.compute_logits(StepPlan([], [ScheduledRequest("v", [greedy_tokens[2]], 22, [], True, 3)]))[0]

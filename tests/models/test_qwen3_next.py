@@ -1,7 +1,8 @@
 """Qwen3-Next (gated DeltaNet + gated attention + MoE) against transformers' ``Qwen3NextForCausalLM``
 (float32, eager) on a tiny random checkpoint: prefill logits and 16 greedy steps for prompts of 2,
 20 and 150 tokens (the long one over several 64-token prefill chunks, batched with the others'
-decodes) on one rank and on two gloo ranks with an even and an uneven (3 + 1) split."""
+decodes) on one rank and on two gloo ranks with an even and an uneven (3 + 1) split; after a
+speculative verify with a rejected draft every rank resumes from the accepted token's state."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from procs import free_port, run_ranks
 
 from plan_driver import make_runner
-from qwen3_next_script import prompts, run_script, transformers_logits
+from qwen3_next_script import prompts, run_script, transformers_logits, verify_with_rejection
 from shardserve.workers.comm_cpu import GlooGroup
 from shardserve.workers.distributed import set_tp_group
 
@@ -48,10 +49,19 @@ def oracle(qwen3_next):
     return check
 
 
+def check_rollback(results, resumed: torch.Tensor, label: str) -> None:
+    """``resumed`` (logits after a rejected draft) equals the plain run's logits at that position."""
+    diff = (resumed - results["p20"][1][3]).abs().max().item()
+    assert diff < TOLERANCE, f"{label}: after a rejected draft the logits differ by {diff}"
+
+
 def test_single_rank_matches_transformers(qwen3_next, oracle):
     runner = make_runner(qwen3_next.path, block_size=4, num_blocks=96)
-    oracle(run_script(runner), "TP=1")
+    results = run_script(runner)
+    oracle(results, "TP=1")
     assert len(runner.model.state_layers()) == 4 and len(runner.model.attention_layers()) == 2
+    fresh = make_runner(qwen3_next.path, block_size=4, num_blocks=8)
+    check_rollback(results, verify_with_rejection(fresh, results["p20"][0]), "TP=1")
 
 
 def _worker(rank: int, world_size: int, port: int, path: str, out_path: str) -> None:
@@ -65,7 +75,9 @@ def _worker(rank: int, world_size: int, port: int, path: str, out_path: str) -> 
             deltanet, attention = runner.model.state_layers()[0], runner.model.attention_layers()[0]
             moe = runner.model.model.layers[1].mlp
             layout = (deltanet.num_k_heads, deltanet.kv_cache[1].shape[1], attention.num_kv_heads, moe.experts.count)
-            results[label] = (run_script(runner), layout)
+            script = run_script(runner)
+            fresh = make_runner(path, block_size=4, num_blocks=8, tensor_split=split)
+            results[label] = (script, layout, verify_with_rejection(fresh, script["p20"][0]))
         torch.save(results, f"{out_path}.{rank}")
     finally:
         group.close()
@@ -82,3 +94,5 @@ def test_tp2_even_and_uneven_match_transformers(qwen3_next, oracle, tmp_path):
         for name in prompts():
             assert torch.equal(ranks[0][label][0][name][1], ranks[1][label][0][name][1]), f"{label}: ranks disagree"
         oracle(ranks[0][label][0], f"TP=2 {label}")
+        assert torch.equal(ranks[0][label][2], ranks[1][label][2])
+        check_rollback(ranks[0][label][0], ranks[0][label][2], f"TP=2 {label}")

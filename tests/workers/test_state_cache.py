@@ -1,11 +1,12 @@
 """The worker's recurrent-state pool bookkeeping (no model): slots zeroed on assignment, position
-checks, group layout of a mixed step, and the speculative rollback from kept per-token states."""
+checks, group layout of a mixed step, and the speculative rollback from a verify step's checkpoint."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shardserve.kernels.gated_delta import gated_delta_recurrent_ref
 from shardserve.workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
 from shardserve.workers.state_cache import StateCache
 
@@ -55,25 +56,32 @@ def test_a_slot_reassigned_without_a_finish_notice_drops_the_stale_request():
 
 @pytest.mark.parametrize("accepted", [1, 2, 4])
 def test_verify_rolls_back_to_the_accepted_position(accepted):
-    """A verify step of 4 tokens (1 real + 3 drafts) at position 10; the next step starts after
-    ``accepted`` of them: the window is the last W-1 inputs up to there and the matrix state the one
-    kept after that token (all 4 accepted: the state after the step stays)."""
+    """A verify step of 4 tokens (1 real + 3 drafts) at position 10 beside a decode; the next step
+    starts after ``accepted`` of them: the window is the last W-1 inputs up to there and the matrix
+    state the checkpoint with the accepted tokens folded in again (all 4 accepted: the state after
+    the step stays)."""
     layer = FakeLayer()
     cache = StateCache([layer])
     cache.begin_step(StepPlan([new("d", 0), new("v", 3)], [sched("d", 1, 0), sched("v", 10, 0)]))
     meta = cache.begin_step(StepPlan([], [sched("d", 1, 1), sched("v", 4, 10, num_spec=3)]))
     assert meta.keep and meta.recurrent.token_idx is None and meta.recurrent.cu_seqlens.tolist() == [0, 1, 5]
     conv_before = torch.arange(2 * CHANNELS * (WIDTH - 1), dtype=torch.float).view(2, CHANNELS, WIDTH - 1)
-    inputs = 100 + torch.arange(5 * CHANNELS, dtype=torch.float).view(5, CHANNELS)
-    kept = torch.arange(5, dtype=torch.float)[:, None, None, None].expand(5, HEADS, DIM, DIM).clone()
-    meta.snapshots[0] = (conv_before, inputs, kept)      # what the layer records during the forward
+    ssm_before = torch.randn(2, HEADS, DIM, DIM)
+    conv_inputs = 100 + torch.arange(5 * CHANNELS, dtype=torch.float).view(5, CHANNELS)
+    q, k = (torch.nn.functional.normalize(torch.randn(5, 1, DIM), dim=-1) for _ in range(2))
+    delta_inputs = (q, k, torch.randn(5, HEADS, DIM), -torch.rand(5, HEADS), torch.rand(5, HEADS))
+    meta.snapshots[0] = (conv_before, ssm_before, conv_inputs, delta_inputs)   # what the layer records
     after_step = [t[3].clone() for t in layer.kv_cache]
     cache.begin_step(StepPlan([], [sched("v", 1, 10 + accepted)]))
     conv, ssm = layer.kv_cache
     if accepted == 4:
         assert torch.equal(conv[3], after_step[0]) and torch.equal(ssm[3], after_step[1])
     else:
-        window = torch.cat((conv_before[1], inputs[1:1 + accepted].T), dim=-1)[:, -(WIDTH - 1):]
+        window = torch.cat((conv_before[1], conv_inputs[1:1 + accepted].T), dim=-1)[:, -(WIDTH - 1):]
         assert torch.equal(conv[3], window)
-        assert torch.equal(ssm[3], kept[accepted])      # row 1 + accepted - 1 of the group's tokens
+        replayed = ssm_before[1:2].clone()
+        rows = slice(1, 1 + accepted)
+        gated_delta_recurrent_ref(*(x[rows] for x in delta_inputs), torch.tensor([0, accepted]), replayed,
+                                  torch.tensor([0]))
+        assert torch.equal(ssm[3], replayed[0])
     assert cache.seqs["v"].num_tokens == 10 + accepted + 1 and cache.seqs["v"].verify is None

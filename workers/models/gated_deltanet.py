@@ -119,34 +119,31 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), b.reshape(num_tokens, -1),
                 a.reshape(num_tokens, -1))
 
-    def _delta_rule(self, fn, group: SeqGroup | None, inputs: tuple, out: torch.Tensor, keep: bool):
+    def _delta_rule(self, fn, group: SeqGroup | None, inputs: tuple, out: torch.Tensor) -> tuple | None:
         """Run ``fn`` on ``group``'s tokens of ``inputs`` (q, k, v, g, beta) into ``out``; returns
-        the per-token states when ``keep``."""
+        those tokens' inputs."""
         if group is None:
             return None
         if group.token_idx is not None:
             inputs = tuple(x[group.token_idx] for x in inputs)
-        extra = {}
-        if keep:
-            extra["keep_states"] = inputs[2].new_empty((inputs[2].shape[0], *self.kv_cache[1].shape[1:]),
-                                                       dtype=torch.float32)
-        result = fn(*inputs, group.cu_seqlens, self.kv_cache[1], group.slots, **extra)
+        result = fn(*inputs, group.cu_seqlens, self.kv_cache[1], group.slots)
         if group.token_idx is None:
             out.copy_(result)
         else:
             out[group.token_idx] = result
-        return extra.get("keep_states")
+        return inputs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata().state
         num_tokens = hidden.shape[0]
         mixed, z, b, a = self._project(hidden)
-        conv_state, _ = self.kv_cache
-        snapshot = None
-        if meta.keep:   # speculative verify: the conv windows before the step and the step's inputs
+        conv_state, ssm_state = self.kv_cache
+        checkpoint = None
+        if meta.keep:   # speculative verify: the recurrent group's states before the step, its conv inputs
             rec = meta.recurrent
-            inputs = mixed if rec.token_idx is None else mixed[rec.token_idx]
-            snapshot = (conv_state[rec.slots.long()].clone(), inputs.clone())
+            rows = rec.slots.long()
+            checkpoint = (conv_state[rows].clone(), ssm_state[rows].clone(),
+                          mixed if rec.token_idx is None else mixed[rec.token_idx])
         mixed = causal_conv1d(mixed, self.conv1d.weight, meta.cu_seqlens, conv_state, meta.slots)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = _l2norm(q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
@@ -156,10 +153,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         inputs = (q, k, v, g.contiguous(), beta.contiguous())
         out = torch.empty_like(v)
-        self._delta_rule(gated_delta_chunk, meta.chunked, inputs, out, keep=False)
-        kept = self._delta_rule(gated_delta_recurrent, meta.recurrent, inputs, out, keep=meta.keep)
-        if snapshot is not None:
-            meta.snapshots[self.state_index] = (*snapshot, kept)
+        self._delta_rule(gated_delta_chunk, meta.chunked, inputs, out)
+        recurrent_inputs = self._delta_rule(gated_delta_recurrent, meta.recurrent, inputs, out)
+        if checkpoint is not None:
+            meta.snapshots[self.state_index] = (*checkpoint, recurrent_inputs)
         return self.out_proj(self._gated_norm(out, z).reshape(num_tokens, -1))
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
