@@ -69,7 +69,8 @@ class Coordinator:
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator)
+                               args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots)
         self.healthy, self.error = True, None
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}

@@ -92,6 +92,7 @@ class WorkerGroup:
                 raise cause from None
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
+        self.num_state_slots = infos[0]["num_state_slots"]   # same on every rank (max_num_seqs + 1 or 0)
         try:
             cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         except Exception as exc:
