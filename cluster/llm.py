@@ -47,7 +47,8 @@ class LLM:
             num_blocks=args.num_blocks, seed=args.seed), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
-        max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+                                         self.runner.num_blocks)
         speculator, self.drafter = None, None
         if args.speculative_tokens:   # MTP draft model in this process, on the same block ids
             from shardserve.cluster.speculative import Speculator
