@@ -99,6 +99,12 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; this model's context length is "
                              f"{self.max_model_len} tokens (prompt + at least one output token)")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's context length is {self.max_model_len} tokens: the prompt has "
+                f"{len(prompt_token_ids)} tokens and max_tokens asks for {params.max_tokens} more "
+                f"({len(prompt_token_ids) + params.max_tokens} in all); ask for max_tokens <= "
+                f"{self.max_model_len - len(prompt_token_ids)}")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 

@@ -50,7 +50,8 @@ class LLM:
         self.runner = ModelRunner(self.files, self.hf_config, args.runner_config(), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
-        max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+                                         self.runner.num_blocks)
         speculator, self.drafter = None, drafter
         if drafter is not None and not args.speculative_tokens:
             raise ValueError("a drafter needs speculative_tokens >= 1")

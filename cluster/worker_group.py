@@ -130,6 +130,8 @@ class WorkerGroup:
         else:
             info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote())}
         ray.get([w.init_group.remote(kind, info) for w in self.workers])  # concurrent: ranks rendezvous
+        if self._segment is not None:
+            self._segment.unlink()   # every rank has it mapped: no name left behind, however Ray stops them
         return kind
 
     def _compile(self) -> None:
