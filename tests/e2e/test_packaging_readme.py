@@ -88,10 +88,12 @@ def test_every_readme_command_line_parses(smollm2_files):
 
 def test_readme_generate_lines_run_as_written(wheel_env, smollm2_files):
     """Each ``generate`` line whose placeholder can be filled (``path/to/model.gguf``: the SmolLM2
-    GGUF) runs through bash with the wheel's ``shardserve``; ``--stop "\\n\\n"`` must stop there."""
+    GGUF) and that needs no GPU runs through bash with the wheel's ``shardserve`` (the ``-tp 2`` line
+    on a local Ray cluster); ``--stop "\\n\\n"`` must stop there."""
     runnable = [line.replace("path/to/model.gguf", str(smollm2_files.path)) for line in readme_commands()
-                if line.startswith("shardserve generate") and "path/to/hf-checkpoint-folder" not in line]
-    assert len(runnable) == 2
+                if line.startswith("shardserve generate") and "path/to/hf-checkpoint-folder" not in line
+                and "--device cuda" not in line]
+    assert len(runnable) == 3, runnable
     for line in runnable:
         out = subprocess.run(["bash", "-c", line], cwd=wheel_env["cwd"], env=wheel_env["env"], capture_output=True,
                              text=True, timeout=900)
