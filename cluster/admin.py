@@ -4,8 +4,9 @@ The body is ``{"model": PATH, "mode": "drain" | "abort"}`` (both optional: the s
 on disk, and ``drain``). The router asks every replica in turn over gRPC ``ReloadWeights`` (one at
 a time, so the other replicas keep serving) and answers the first replica's counts with the
 total wall time; a checkpoint the first replica refuses is a 400 naming the first bad tensor, and
-no replica changed anything. An API key, when the app has one, is checked by the app-wide check
-like on every other route.
+no replica changed anything. The route is on the app of :func:`cluster.openai_app.build_openai_app`,
+so its API-key guard covers it like every other route; the calls to the replicas carry the
+router's key (their gRPC servers check it too).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def parse_reload(raw_body: bytes) -> pb.ReloadWeightsRequest:
     return pb.ReloadWeightsRequest(model=model or "", mode=mode or "")
 
 
-async def reload_weights(pool: ReplicaPool, raw_body: bytes) -> Response:
+async def reload_weights(pool: ReplicaPool, raw_body: bytes, metadata: tuple = ()) -> Response:
     """``POST /admin/reload_weights``: 200 with ``changed_tensors``, ``unchanged_tensors``,
     ``seconds``, ``weights_version``, ``aborted_requests`` and ``replicas`` (one answer each);
     400 for a bad body or a checkpoint that cannot replace the served one; 503 when a replica is
-    not ready or fails."""
+    not ready or fails. ``metadata``: gRPC call metadata (the replicas' API key)."""
     started = time.monotonic()
     try:
         request = parse_reload(raw_body)
@@ -62,7 +63,7 @@ async def reload_weights(pool: ReplicaPool, raw_body: bytes) -> Response:
         answers = []
         for replica in pool.replicas:
             try:
-                answer = await replica.stub.ReloadWeights(request)
+                answer = await replica.stub.ReloadWeights(request, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise bad_request(exc.details(), "model", "invalid_checkpoint") from exc

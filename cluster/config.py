@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,39 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             seed=self.seed)
+
+    def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
+        """The context length to serve: one sequence of that length must fit the KV pool
+        (``num_blocks * block_size`` tokens per rank), as vLLM requires at start-up.
+
+        Args:
+            model_max_len: the model's own limit (``max_position_embeddings``).
+            num_blocks: KV blocks every rank holds.
+
+        Returns:
+            ``max_model_len`` when given and it fits; else the model's limit, lowered to what the
+            pool holds (with a warning).
+
+        Raises:
+            ValueError: ``max_model_len`` was given and is more than the pool holds (the message
+                names both numbers and the flags to change).
+        """
+        pool_tokens = num_blocks * self.block_size
+        if self.max_model_len is not None:
+            if self.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"--max-model-len {self.max_model_len} does not fit the KV cache: one sequence of "
+                    f"{self.max_model_len} tokens needs {-(-self.max_model_len // self.block_size)} blocks, the "
+                    f"pool holds {num_blocks} blocks of {self.block_size} tokens ({pool_tokens} tokens) per rank; "
+                    f"raise --kv-cache-gib (now {self.kv_cache_gib:g}) or lower --max-model-len to at most "
+                    f"{pool_tokens}")
+            return self.max_model_len
+        if model_max_len > pool_tokens:
+            logger.warning("max_model_len lowered from %d (the model's) to %d tokens, what the KV cache holds "
+                           "(%d blocks of %d tokens); raise --kv-cache-gib (now %g) for longer contexts",
+                           model_max_len, pool_tokens, num_blocks, self.block_size, self.kv_cache_gib)
+            return pool_tokens
+        return model_max_len
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from shardserve.cluster.ray_errors import root_cause
 from shardserve.workers.distributed import collective_kind
 from shardserve.workers.draft_worker import DraftWorker
 from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
@@ -32,12 +33,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerDiedError(RuntimeError):
     """A shard or draft worker died or failed; the replica cannot serve until repaired."""
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: first line of the message`` (Ray's actor-death messages run to a dozen lines)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 @dataclass(slots=True)
@@ -94,6 +89,7 @@ class WorkerGroup:
                 raise cause from None
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
+        self.num_state_slots = infos[0]["num_state_slots"]   # same on every rank (max_num_seqs + 1 or 0)
         try:
             cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         except Exception as exc:
@@ -153,6 +149,8 @@ class WorkerGroup:
             info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote(), timeout=timeout_s)}
         # concurrent: ranks rendezvous
         ray.get([w.init_group.remote(kind, info) for w in self.workers], timeout=timeout_s)
+        if self._segment is not None:
+            self._segment.unlink()   # every rank has it mapped: no name left behind, however Ray stops them
         return kind
 
     def _compile(self) -> None:
@@ -175,7 +173,7 @@ class WorkerGroup:
         except Exception as exc:
             if self._segment is not None:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
-            raise WorkerDiedError(f"shard worker failed: {describe(exc)}") from exc
+            raise WorkerDiedError(f"shard worker failed: {root_cause(exc)}") from exc
 
     # -- recovery ---------------------------------------------------------------------------------
     def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
@@ -225,7 +223,7 @@ class WorkerGroup:
             raise TimeoutError(f"replacement of rank(s) {dead} not placed and loaded within {timeout_s:.0f} s "
                                "(is its node gone?)") from exc
         except RayError as exc:
-            raise WorkerDiedError(f"repairing the group failed: {describe(exc)}") from exc
+            raise WorkerDiedError(f"repairing the group failed: {root_cause(exc)}") from exc
         for rank, info in zip(dead, infos):
             info["cache_bytes"] = info["memory"]["cache"]
             self.rank_info[rank] = info
@@ -257,7 +255,7 @@ class WorkerGroup:
         try:
             return ray.get([getattr(w, method).remote(*args) for w in self.workers])
         except RayActorError as exc:
-            raise WorkerDiedError(f"shard worker died during {method}: {describe(exc)}") from exc
+            raise WorkerDiedError(f"shard worker died during {method}: {root_cause(exc)}") from exc
 
     # -- teardown ------------------------------------------------------------------------------------
     def _teardown_dag(self) -> None:
@@ -357,7 +355,7 @@ class RemoteDrafter:
         try:
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
-            raise WorkerDiedError(f"draft worker failed: {describe(exc)}") from exc
+            raise WorkerDiedError(f"draft worker failed: {root_cause(exc)}") from exc
 
     # -- recovery and weight reload --------------------------------------------------------------------
     def is_dead(self, timeout_s: float = 10.0) -> bool:
@@ -383,21 +381,21 @@ class RemoteDrafter:
             self.shutdown()
             raise TimeoutError(f"draft worker not placed and loaded within {timeout_s:.0f} s") from exc
         except RayError as exc:
-            raise WorkerDiedError(f"draft worker failed during repair: {describe(exc)}") from exc
+            raise WorkerDiedError(f"draft worker failed during repair: {root_cause(exc)}") from exc
 
     def stage_reload(self, files: ModelFiles) -> list[dict]:
         """Like :meth:`WorkerGroup.stage_reload`, for the MTP weights."""
         try:
             return [ray.get(self.actor.stage_reload.remote(files))]
         except RayActorError as exc:
-            raise WorkerDiedError(f"draft worker died during stage_reload: {describe(exc)}") from exc
+            raise WorkerDiedError(f"draft worker died during stage_reload: {root_cause(exc)}") from exc
 
     def commit_reload(self, files: ModelFiles) -> None:
         """Like :meth:`WorkerGroup.commit_reload`."""
         try:
             ray.get(self.actor.commit_reload.remote())
         except RayActorError as exc:
-            raise WorkerDiedError(f"draft worker died during commit_reload: {describe(exc)}") from exc
+            raise WorkerDiedError(f"draft worker died during commit_reload: {root_cause(exc)}") from exc
         self.files = files
 
     def discard_reload(self) -> None:

@@ -80,10 +80,11 @@ class ShardWorker(ReloadableRank):
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "memory", "fingerprint",
-            "shapes"}`` for the coordinator, which then calls :meth:`allocate_kv_cache` with the
-            smallest block count of any rank (``memory``: :meth:`ModelRunner.memory_info`;
-            fingerprint and shapes: :class:`workers.weight_reload.WeightRecord`).
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "num_state_slots", "pid", "memory",
+            "fingerprint", "shapes"}`` for the coordinator, which then calls :meth:`allocate_kv_cache`
+            with the smallest block count of any rank (``num_state_slots``: recurrent-state slots of
+            hybrid models, else 0; ``memory``: :meth:`ModelRunner.memory_info`; fingerprint and
+            shapes: :class:`workers.weight_reload.WeightRecord`).
 
         Raises:
             DeviceConfigError / DoesNotFitError: (``ValueError``) no GPU for ``--device cuda``, or
@@ -93,7 +94,8 @@ class ShardWorker(ReloadableRank):
         self.weight_loads += 1
         record = self.runner.weight_record
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "memory": self.runner.memory_info(),
+                "weight_bytes": self.runner.weight_bytes, "num_state_slots": self.runner.num_state_slots,
+                "pid": os.getpid(), "memory": self.runner.memory_info(),
                 "fingerprint": record.fingerprint(), "shapes": dict(record.shapes)}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:

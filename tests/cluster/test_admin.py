@@ -38,13 +38,17 @@ def test_every_replica_must_be_ready():
     assert response.status_code == 503 and "replica 1: recovering: shard worker failed" in body["error"]["message"]
 
 
+KEY_METADATA = (("authorization", "Bearer sk-admin"),)
+
+
 class _Stub:
     """Stands in for one replica's gRPC stub (this is a unit test of the fan-out, not of gRPC)."""
 
     def __init__(self, log: list, index: int, error: grpc.StatusCode | None = None) -> None:
         self.log, self.index, self.error = log, index, error
 
-    async def ReloadWeights(self, request):
+    async def ReloadWeights(self, request, metadata=()):
+        assert metadata == KEY_METADATA, "the router's key goes to every replica"
         self.log.append((self.index, request.model, request.mode))
         if self.error is not None:
             raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -63,13 +67,13 @@ def _pool(log: list, errors: dict) -> ReplicaPool:
 
 def test_replicas_reload_one_after_another_and_a_refusal_stops_the_rollout():
     log: list = []
-    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}'))
+    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}', KEY_METADATA))
     body = json.loads(response.body)
     assert response.status_code == 200 and log == [(0, "/new", "abort"), (1, "/new", "abort")]
     assert (body["changed_tensors"], body["weights_version"], body["aborted_requests"]) == (1, 2, 1)
     assert [answer["replica"] for answer in body["replicas"]] == [0, 1]
     log.clear()
-    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}"))
+    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}", KEY_METADATA))
     body = json.loads(response.body)
     assert response.status_code == 400 and body["error"]["code"] == "invalid_checkpoint" and len(log) == 1
     assert "tensor 'w'" in body["error"]["message"]
