@@ -98,6 +98,15 @@ class StateCache:
         self.seqs: dict[str, _SlotState] = {}
         self._owner: dict[int, str] = {}     # slot -> request id holding it here
 
+    def reset(self) -> None:
+        """Forget every sequence and zero every slot in place (a peer rank was replaced, or the
+        weights changed): the pool is as freshly allocated, at the same addresses."""
+        for layer in self.layers:
+            for tensor in layer.kv_cache:
+                tensor.zero_()
+        self.seqs.clear()
+        self._owner.clear()
+
     def _forget(self, req_id: str) -> None:
         seq = self.seqs.pop(req_id, None)
         if seq is not None and self._owner.get(seq.slot) == req_id:

@@ -217,10 +217,13 @@ class ReloadableRank:
                 "fingerprint": holder.weight_record.fingerprint() if holder is not None else None}
 
     def reset_state(self) -> None:
-        """Forget every request and zero the caches (after a peer was replaced or the weights changed)."""
+        """Forget every request and zero the caches (after a peer was replaced or the weights changed);
+        a hybrid model's recurrent-state pool is zeroed and forgets every slot's owner (same tensors)."""
         holder = self._weights()
         holder.requests.clear()
         reset_caches(holder.model)
+        if getattr(holder, "state_cache", None) is not None:
+            holder.state_cache.reset()
 
     def stage_reload(self, files) -> dict:
         """Read the checkpoint ``files`` and keep what changed (see :func:`stage_weights`).

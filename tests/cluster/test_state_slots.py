@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.engine import EngineCore
 from shardserve.cluster.request import Request, RequestStatus, SamplingParams
 from shardserve.cluster.scheduler import Scheduler, SchedulerConfig
 from shardserve.cluster.state_slots import StateSlots
@@ -75,3 +76,25 @@ def test_finish_notices_wait_for_an_executed_plan():
     assert not empty.plan.scheduled and not empty.plan.finished_req_ids
     s.add(Request("b", [3], SamplingParams()))
     assert s.schedule().plan.finished_req_ids == ["a"]
+
+
+def test_worker_loss_and_a_reload_abort_give_every_slot_back():
+    """In-place recovery ends every request (``fail_all``) and a reload in abort mode ends the started
+    ones and requeues the rest: every state slot returns to the pool, and a requeue is no preemption."""
+    core = EngineCore(None, None, 16, 4, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), set(),
+                      vocab_size=100, enable_prefix_caching=False, num_state_slots=3)
+    ids = [core.add_request([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(3)]
+    core.schedule()
+    slots = core.scheduler.state_slots
+    assert slots.num_free == 0
+    core.requests[ids[0]].request.output_token_ids.append(5)          # it has streamed a token
+    outputs = core.interrupt_started("reloading")
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [(ids[0], "abort")]
+    assert slots.num_free == 3 and core.scheduler.num_preemptions == 0
+    batch = core.schedule()                                           # the two requeued ones run again
+    assert sorted(batch.plan.finished_req_ids) == sorted(ids), "the workers forget all three"
+    assert sorted(n.state_slot for n in batch.plan.new_requests) == [0, 1]
+    assert {o.finish_reason for o in core.fail_all("worker died")} == {"error"}
+    assert slots.num_free == 3 and core.block_manager.num_free_blocks == 16 and not core.has_unfinished()
+    core.reset_after_worker_loss()                                    # the repaired workers know no request
+    assert core.schedule().plan.finished_req_ids == []

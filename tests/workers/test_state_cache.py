@@ -85,3 +85,22 @@ def test_verify_rolls_back_to_the_accepted_position(accepted):
                                   torch.tensor([0]))
         assert torch.equal(ssm[3], replayed[0])
     assert cache.seqs["v"].num_tokens == 10 + accepted + 1 and cache.seqs["v"].verify is None
+
+
+def test_reset_zeroes_the_pool_in_place_and_forgets_every_slot():
+    """A survivor of an in-place recovery (or a weight reload) resets its pool: every slot zeroed at
+    the same address, no owner left, so the next plan's requests start from position 0 anywhere."""
+    layer = FakeLayer()
+    cache = StateCache([layer])
+    cache.begin_step(StepPlan([new("a", 1), new("b", 2)], [sched("a", 3, 0), sched("b", 2, 0)]))
+    for tensor in layer.kv_cache:
+        tensor.fill_(7.0)
+    pointers = [tensor.data_ptr() for tensor in layer.kv_cache]
+    cache.reset()
+    assert not cache.seqs and not cache._owner
+    assert [tensor.data_ptr() for tensor in layer.kv_cache] == pointers
+    assert all(tensor.abs().sum() == 0 for tensor in layer.kv_cache)
+    with pytest.raises(KeyError):
+        cache.begin_step(StepPlan([], [sched("a", 1, 3)]))            # "a" is gone: it must be sent anew
+    meta = cache.begin_step(StepPlan([new("c", 1)], [sched("c", 2, 0)]))
+    assert meta.slots.tolist() == [1] and cache.seqs["c"].num_tokens == 2
