@@ -4,10 +4,8 @@ recovery and reload tests: start, wait until every replica is ready, read ModelI
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,12 +14,9 @@ from pathlib import Path
 
 import grpc
 
-from procs import free_port
+from procs import BIN, free_port, stop_process_group, subprocess_env
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 
 
 def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
@@ -59,13 +54,10 @@ class ServeProcess:
     def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400) -> None:
         http_port, grpc_port = free_port(), free_port()
         self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        env.pop("RAY_ADDRESS", None)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(BIN / "shardserve"), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port), *flags],
-            env=env, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
+            env=subprocess_env(), stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
         self._lines: list[str] = []
         threading.Thread(target=lambda: self._lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
         try:
@@ -106,15 +98,5 @@ class ServeProcess:
         """Ctrl-C, then SIGKILL whatever is left of the process group."""
         if getattr(self, "channel", None) is not None:
             self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # never `ray stop`: other Rays run on this machine
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        stop_process_group(self.proc, signal.SIGINT, 60)   # never `ray stop`: other Rays run on this machine
         self._log.close()
