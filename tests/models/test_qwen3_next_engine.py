@@ -6,6 +6,7 @@ state slot goes back to the pool. The expected tokens are the runner-level workl
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -170,3 +171,28 @@ def test_rejected_drafts_leave_the_state_of_plain_decoding(qwen3_next):
     state_diff = max((a - b).abs().max().item() for a, b in zip(states["spec"], states["plain"]))
     print(f"after a rejected verify: max |logits diff| {diff:.2e}, max |state diff| {state_diff:.2e}")
     assert diff < 1e-5 and state_diff < 1e-5
+
+
+def test_reload_of_a_changed_recurrent_weight_resets_the_state_pool(qwen3_next, expected, tmp_path):
+    """A weight reload on the hybrid model: exactly the changed tensor is swapped, the recurrent-state
+    pool is zeroed with no slot owned, and greedy output equals a fresh load of the changed files."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(qwen3_next.path, folder)
+    llm = make_llm(folder)
+    batch = [list(p) for p in expected]
+    assert [d.token_ids for d in llm.generate(batch, GREEDY)] == [expected[tuple(p)] for p in batch]
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(str(file))
+    name = "model.layers.0.linear_attn.A_log"
+    tensors[name] = tensors[name] + 0.5
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    result = llm.reload_weights()
+    assert (result.changed_tensors, result.weights_version) == (1, 2)
+    assert not llm.runner.state_cache.seqs
+    assert all(t.abs().sum() == 0 for layer in llm.runner.state_layers for t in layer.kv_cache)
+    reloaded = [d.token_ids for d in llm.generate(batch, GREEDY)]
+    assert reloaded == [d.token_ids for d in make_llm(folder).generate(batch, GREEDY)]
+    assert reloaded != [expected[tuple(p)] for p in batch], "the change must show in the output"
+    assert_pool_empty(llm)
