@@ -20,7 +20,9 @@ class ServeMetrics:
     ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``, ``requests_in_flight``.
     Per replica (label ``replica``): ``requests_routed_total``, ``outstanding_tokens``,
     ``num_requests_running``, ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``,
-    ``kv_cache_blocks``, ``replica_ready``.
+    ``kv_cache_blocks``, ``replica_ready``; placement: ``replica_nodes`` (distinct Ray nodes of the
+    coordinator and ranks), ``replica_info{collective,dispatch,coordinator_node}`` and
+    ``rank_node_info{rank,node_id,node_ip}`` (value 1, the labels carry the facts).
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -51,6 +53,14 @@ class ServeMetrics:
         self.free_blocks = Gauge("shardserve_kv_cache_free_blocks", "Free KV cache blocks", ["replica"], registry=reg)
         self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks", ["replica"], registry=reg)
         self.ready = Gauge("shardserve_replica_ready", "1 when the replica serves", ["replica"], registry=reg)
+        self.nodes = Gauge("shardserve_replica_nodes", "Distinct Ray nodes running a replica's coordinator and ranks",
+                           ["replica"], registry=reg)
+        self.replica_info = Gauge("shardserve_replica_info", "A replica's all-reduce backend, dispatch and "
+                                  "coordinator node (value 1)", ["replica", "collective", "dispatch",
+                                                                 "coordinator_node"], registry=reg)
+        self.rank_node = Gauge("shardserve_rank_node_info", "Ray node of each tensor-parallel rank (value 1)",
+                               ["replica", "rank", "node_id", "node_ip"], registry=reg)
+        self._placement: dict[str, list[tuple]] = {}   # replica -> [(info gauge, label values)] last set
 
     def observe_choice(self, started: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         """Record one finished choice: TTFT from the request's arrival, TPOT over its later tokens."""
@@ -69,6 +79,21 @@ class ServeMetrics:
             self.waiting.labels(label).set(info.get("num_waiting", 0))
             self.free_blocks.labels(label).set(info.get("num_free_blocks", 0))
             self.total_blocks.labels(label).set(info.get("num_blocks", 0))
+            if info.get("collective"):
+                self._set_placement(label, info)
+
+    def _set_placement(self, label: str, info: dict) -> None:
+        """Info-style series of one replica; the ones of a previous placement are removed."""
+        series = [(self.replica_info, (label, info["collective"], info["dispatch"], info["coordinator_node"]))]
+        series += [(self.rank_node, (label, str(rank), node, ip))
+                   for rank, (node, ip) in enumerate(zip(info["rank_nodes"], info["rank_node_ips"]))]
+        for gauge, values in self._placement.get(label, []):
+            if (gauge, values) not in series:
+                gauge.remove(*values)
+        for gauge, values in series:
+            gauge.labels(*values).set(1)
+        self._placement[label] = series
+        self.nodes.labels(label).set(info["num_nodes"])
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

@@ -3,7 +3,8 @@
 Placement: one bundle per rank. Inside a placement group that already exists (a Serve replica's,
 or the one ``serve-grpc`` makes for the coordinator), rank i takes bundle ``i + bundle_offset``;
 we never create a nested group there. Otherwise a group is made here (PACK on one node by
-default, SPREAD allowed). Dispatch: a Ray Compiled Graph (shared-memory channels, no task round
+default; SPREAD, STRICT_PACK and STRICT_SPREAD allowed). Ranks on different Ray nodes always use
+the network collective (gloo on CPU, NCCL on GPU), never the shared-memory one. Dispatch: a Ray Compiled Graph (shared-memory channels, no task round
 trip per step) or plain actor calls; both send the same StepPlan to every rank at once.
 """
 
@@ -38,7 +39,7 @@ class GroupConfig:
     tensor_parallel_size: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
-    strategy: str = "PACK"              # PACK (one node) or SPREAD
+    strategy: str = "PACK"              # Ray placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
     dispatch: str = "compiled"          # "compiled" (Ray Compiled Graph) or "calls"
 
@@ -82,6 +83,8 @@ class WorkerGroup:
         self._segment = None
         self._dag = None
         try:
+            # (node id, ip) of each rank, in rank order: picks the collective, reported by ModelInfo
+            self.rank_nodes: list[tuple[str, str]] = ray.get([w.node_address.remote() for w in self.workers])
             self.collective = self._init_collective(hf_config, runner_config, max_batched_tokens, max_num_seqs)
             infos = ray.get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
         except Exception as exc:
@@ -102,7 +105,7 @@ class WorkerGroup:
         if tp == 1:
             ray.get(self.workers[0].init_group.remote("none", {}))
             return "none"
-        nodes = ray.get([w.node_address.remote() for w in self.workers])
+        nodes = self.rank_nodes
         same_node = len({node for node, _ in nodes}) == 1
         device = "cuda" if self.config.gpus_per_worker else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
