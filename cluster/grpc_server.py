@@ -106,12 +106,17 @@ async def start_grpc_server(coordinator, host: str, port: int) -> GrpcServer:
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second server on a port in use must fail, not share the port's connections
+    # (the replica being replaced in a rolling upgrade may still hold it while it drains).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:   # grpcio >= 1.5x raises instead of returning 0
+        bound = 0
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

@@ -8,6 +8,10 @@ the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. Th
 of every call is awaited before answering, so the engine's own rejections (context length, bad
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
 engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+
+While a replica is being replaced (rolling upgrade) it refuses new requests with UNAVAILABLE; a
+request refused before anything was sent to the client waits for the replacement (re-polling the
+replicas, at most ``route_wait_s``) instead of failing.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from shardserve.cluster.metrics import ServeMetrics
 from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, parse_chat, parse_completion, response_body, unavailable, usage_chunk)
-from shardserve.cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
-_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")
+_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "collective", "dispatch",
+                 "coordinator_node", "num_nodes")
+_LIST_FIELDS = ("rank_nodes", "rank_node_ips")
 
 
 def _connect(address: str) -> tuple:
@@ -75,17 +81,20 @@ class RouterCore:
         fetchers: one coroutine function per replica returning its ``status()`` dict.
         poll_s: status polling period once every replica is ready (faster while loading).
         load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
+        route_wait_s: how long a request waits for a replica that is being replaced.
     """
 
     def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
-                 load_tokenizer: Callable[[], object], poll_s: float = 2.0) -> None:
+                 load_tokenizer: Callable[[], object], poll_s: float = 2.0, route_wait_s: float = 30.0) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.pool = ReplicaPool(len(fetchers), _connect, _close)
         self.metrics = ServeMetrics()
         self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
+        self.route_wait_s = route_wait_s
         self.tokenizer = self.token_text = None
         self.tokenizer_error: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self._polled = asyncio.Event()   # set after the first round of status calls
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
@@ -101,28 +110,50 @@ class RouterCore:
             logger.exception("router: loading the tokenizer failed")
             self.tokenizer_error = f"{type(exc).__name__}: {exc}"
 
+    async def wait_started(self, timeout_s: float = 60.0) -> None:
+        """Wait until the tokenizer is loaded and every replica was polled once (or ``timeout_s``).
+
+        Raises:
+            RuntimeError: the tokenizer could not be loaded.
+        """
+        try:
+            await asyncio.wait_for(asyncio.gather(asyncio.shield(self._tasks[0]), self._polled.wait()),
+                                   timeout=timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("router: not started within %.0f s; serving anyway", timeout_s)
+        if self.tokenizer_error:
+            raise RuntimeError(f"the router could not load the tokenizer: {self.tokenizer_error}")
+
+    async def _poll(self, index: int, fetch: StatusFetcher) -> None:
+        replica = self.pool.replicas[index]
+        try:
+            status = await asyncio.wait_for(fetch(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - loading or restarting replicas answer late or fail
+            if replica.state in (READY, UNREACHABLE):   # it served: being replaced or restarted
+                self.pool.mark_unreachable(replica, f"status call failed: {type(exc).__name__}")
+                return
+            status = {"state": LOADING, "address": replica.address, "error": None}
+        try:
+            self.pool.update(index, status)
+        except Exception:  # noqa: BLE001 - keep watching the other replicas
+            logger.exception("router: bad status from replica %d: %r", index, status)
+
+    async def poll_all(self) -> None:
+        """Ask every replica for its status now (concurrently) and apply the answers."""
+        await asyncio.gather(*(self._poll(i, fetch) for i, fetch in enumerate(self.fetchers)))
+        self._polled.set()
+
     async def _watch(self) -> None:
         while True:
-            for index, fetch in enumerate(self.fetchers):
-                try:
-                    status = await asyncio.wait_for(fetch(), timeout=10)
-                except Exception as exc:  # noqa: BLE001 - restarting replicas fail calls for a while
-                    status = {"state": LOADING, "address": self.pool.replicas[index].address,
-                              "error": f"status call failed: {type(exc).__name__}"}
-                try:
-                    self.pool.update(index, status)
-                except Exception:  # noqa: BLE001 - keep watching the other replicas
-                    logger.exception("router: bad status from replica %d: %r", index, status)
+            await self.poll_all()
             ready = len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for replica in self.pool.replicas:
-            if replica.channel is not None:
-                await replica.channel.close()
-            replica.channel = replica.stub = None
+        channels = self.pool.detach_channels()
+        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
     def _ready_or_503(self) -> None:
         if self.tokenizer_error:
@@ -160,6 +191,7 @@ class RouterCore:
                 try:
                     msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
                     info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
+                    info.update({name: list(getattr(msg, name)) for name in _LIST_FIELDS})
                 except grpc.aio.AioRpcError:
                     info = None
             self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)
@@ -213,6 +245,9 @@ class RouterCore:
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float) -> _Run:
         """Open every choice's call on the least-loaded replica and read its first response.
 
+        A replica that refuses the call (UNAVAILABLE: draining or dead) is skipped; when none is
+        left but one is being replaced, the request waits for it (at most ``route_wait_s``).
+
         Raises:
             OpenAIError: 400 when the engine rejects the request, 503 when no replica can take it.
         """
@@ -222,12 +257,18 @@ class RouterCore:
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         excluded: tuple[int, ...] = ()
+        deadline = time.monotonic() + self.route_wait_s
         while True:
             try:
                 lease = self.pool.pick(cost_prompt, cost_output, excluded)
             except NoReplicaReady as exc:
-                raise unavailable(f"no replica can take the request: {exc}") from exc
-            stub = lease.replica.stub
+                if not self.pool.in_transition() or time.monotonic() > deadline:
+                    raise unavailable(f"no replica can take the request: {exc}") from exc
+                await asyncio.sleep(0.1)
+                await self.poll_all()   # learn the replacement's address (or see the old one back)
+                excluded = ()
+                continue
+            stub = lease.stub
             calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j))
                      for p, ids in enumerate(prompt_ids) for j in range(n)]
             try:
