@@ -1,5 +1,6 @@
 """``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
-API of one replica) and ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas)."""
+API of one replica), ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas) and
+``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus-per-worker", type=float, default=None,
                         help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
     parser.add_argument("--gpus-per-worker", type=float, default=0.0)
-    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD"], default="PACK")
+    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                        default="PACK", help="Ray placement of a replica's coordinator and ranks (STRICT_SPREAD: "
+                                             "each on a node of its own; ranks on several nodes use gloo/NCCL)")
     parser.add_argument("--cpu-collective", choices=["shm", "gloo"], default=None,
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
@@ -139,7 +142,8 @@ def _serve_args(ns: argparse.Namespace):
         data_parallel_size=ns.data_parallel_size, tensor_split=ns.tensor_split,
         cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(tp), gpus_per_worker=ns.gpus_per_worker,
         placement_strategy=ns.placement_strategy, cpu_collective=ns.cpu_collective, dispatch=ns.dispatch,
-        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, block_size=ns.block_size,
+        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
+        block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
@@ -192,7 +196,10 @@ def _serve(ns: argparse.Namespace) -> int:
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
-        serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
+        try:   # returns once every replica has loaded its model
+            serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
+        except RuntimeError as exc:   # Serve gave up on a replica whose constructor kept failing
+            raise ServeStartError(_last_line(str(exc))) from exc
         health = _wait_until_serving(f"http://{local}:{ns.port}/health", ns.ready_timeout)
         print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
               f"x {cfg.data_parallel_size} replica(s)", flush=True)
@@ -214,6 +221,58 @@ def _serve(ns: argparse.Namespace) -> int:
         finally:
             ray.shutdown()
     return 0
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a (traceback-bearing) message."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _manifest(ns: argparse.Namespace) -> int:
+    import shlex
+
+    from shardserve.cluster.manifest import PodLayout, render
+
+    ns.cpus_per_worker = ns.cpus_per_worker or 1.0   # not this machine's cores: the pods' are unknown here
+    cfg = _serve_args(ns)
+    layout = PodLayout(name=ns.name, image=ns.image, worker_pods=ns.worker_pods, gpus_per_pod=ns.gpus_per_pod,
+                       memory_per_pod=ns.memory_per_pod, head_memory=ns.head_memory, shm_size=ns.shm_size,
+                       surge_pods=ns.surge_pods, api_key_secret=ns.api_key_secret, model_pvc=ns.model_pvc,
+                       model_mount=ns.model_mount, upgrade_strategy=ns.upgrade_strategy,
+                       service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []))
+    sys.stdout.write(render(cfg, layout, shlex.join(["shardserve", *ns.argv])))
+    return 0
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _manifest_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default="shardserve", help="RayService name (the Service is NAME-openai)")
+    parser.add_argument("--image", default="shardserve:0.1.0", help="image with shardserve installed")
+    parser.add_argument("--worker-pods", type=int, default=None, help="worker pods (default: the fewest that fit)")
+    parser.add_argument("--gpus-per-pod", type=int, default=None,
+                        help="GPUs per worker pod (default: one replica's ranks, at most 8)")
+    parser.add_argument("--memory-per-pod", default="8Gi", help="memory of a worker pod (Kubernetes quantity)")
+    parser.add_argument("--head-memory", default="4Gi", help="memory of the head pod")
+    parser.add_argument("--shm-size", default=None, help="memory-backed /dev/shm per pod (default 1Gi, 64Gi on GPUs)")
+    parser.add_argument("--surge-pods", type=int, default=None,
+                        help="extra worker pods an upgrade may add while the new replica loads "
+                             "(default: one replica's pods)")
+    parser.add_argument("--api-key-secret", default=None, metavar="NAME[:KEY]",
+                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default)")
+    parser.add_argument("--model-pvc", default=None, help="PersistentVolumeClaim holding the weights")
+    parser.add_argument("--model-mount", default="/models", help="where --model-pvc is mounted")
+    parser.add_argument("--upgrade-strategy", choices=["NewCluster", "None"], default="NewCluster",
+                        help="RayService upgrade of rayClusterConfig changes")
+    parser.add_argument("--service-type", choices=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP")
+    parser.add_argument("--env", type=_key_value, action="append", metavar="KEY=VALUE",
+                        help="extra environment variable of every Ray container (repeatable)")
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -256,28 +315,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve "
                                             "(tensor-parallel replicas) until Ctrl-C")
-    serve_cmd.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
-                           help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
-    _engine_flags(serve_cmd)
-    _cluster_flags(serve_cmd)
-    serve_cmd.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                           help="model replicas (each a TP group); requests go to the least-loaded one")
+    _serve_flags(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
-    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
-    serve_cmd.add_argument("--grpc-port", type=int, default=50051,
-                           help="gRPC port of replica 0 (replica i: port + i); 0 = any free port")
-    serve_cmd.add_argument("--grpc-host", default=None, help="gRPC interface (default: --host)")
-    serve_cmd.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
     serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for the model to load")
     serve_cmd.set_defaults(func=_serve)
+
+    manifest_cmd = sub.add_parser("manifest", help="print a KubeRay RayService (YAML) that serves like `serve` with "
+                                                   "the same arguments, on Kubernetes pods")
+    _serve_flags(manifest_cmd)
+    _manifest_flags(manifest_cmd)
+    manifest_cmd.set_defaults(func=_manifest, host="0.0.0.0")
     return parser
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``serve`` and ``manifest`` share (the app's :class:`ServeArgs`)."""
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                        help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
+    _engine_flags(parser)
+    _cluster_flags(parser)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="model replicas (each a TP group); requests go to the least-loaded one")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    parser.add_argument("--grpc-port", type=int, default=50051,
+                        help="gRPC port of replica 0 (replica i: port + i); 0 = any free port")
+    parser.add_argument("--grpc-host", default=None, help="gRPC interface (default: --host)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
+    parser.add_argument("--drain-timeout-s", type=float, default=300.0,
+                        help="seconds a replaced replica may take to finish its running requests (size it for "
+                             "your longest completion)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` console script. Logs go to stderr, results to stdout."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
+    ns.argv = argv
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError, ServeStartError, TimeoutError) as exc:
