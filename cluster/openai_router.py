@@ -262,7 +262,7 @@ class RouterCore:
             try:
                 lease = self.pool.pick(cost_prompt, cost_output, excluded)
             except NoReplicaReady as exc:
-                if not self.pool.in_transition() or time.monotonic() > deadline:
+                if not self.pool.in_transition(self.route_wait_s) or time.monotonic() > deadline:
                     raise unavailable(f"no replica can take the request: {exc}") from exc
                 await asyncio.sleep(0.1)
                 await self.poll_all()   # learn the replacement's address (or see the old one back)

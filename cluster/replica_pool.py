@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class Replica:
     info: dict = field(default_factory=dict)   # last ModelInfo answer (model, max_model_len, blocks, ...)
     outstanding_tokens: int = 0
     last_used: int = 0             # routing order stamp (ties: least recently used first)
+    unreachable_since: float = 0.0  # monotonic time it turned unreachable
     channel: object = None         # grpc.aio channel to ``address``
     stub: object = None            # InferenceStub on ``channel``
 
@@ -128,11 +130,13 @@ class ReplicaPool:
         if replica.state == READY:
             logger.warning("replica %d unreachable: %s", replica.index, error)
             replica.state, replica.error = UNREACHABLE, error
+            replica.unreachable_since = time.monotonic()
 
-    def in_transition(self) -> bool:
-        """Some replica served and then stopped answering (being replaced or restarted): worth
-        waiting for, unlike one that is failed or still loading."""
-        return any(r.state == UNREACHABLE for r in self.replicas)
+    def in_transition(self, max_age_s: float) -> bool:
+        """Some replica served and stopped answering less than ``max_age_s`` ago (being replaced):
+        worth waiting for, unlike one that is failed, still loading or gone for longer."""
+        now = time.monotonic()
+        return any(r.state == UNREACHABLE and now - r.unreachable_since < max_age_s for r in self.replicas)
 
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == READY]

@@ -154,3 +154,11 @@ def test_no_waiting_when_no_replica_is_being_replaced(state):
 
     response, waited = asyncio.run(scenario())
     assert response.status_code == 503 and waited < 1.0
+
+
+def test_an_unreachable_replica_is_waited_for_only_a_while():
+    pool = ReplicaPool(1)
+    pool.update(0, {"state": "ready", "address": None, "info": {"healthy": True}})
+    assert not pool.in_transition(30)
+    pool.mark_unreachable(pool.replicas[0], "UNAVAILABLE: draining")
+    assert pool.in_transition(30) and not pool.in_transition(0)   # gone for longer: 503 at once
