@@ -8,7 +8,7 @@ RUN_ARGS ?=
 TORCH_INDEX ?=          # e.g. --index-url https://download.pytorch.org/whl/cpu (CPU-only torch wheels)
 EXTRAS ?= test          # optional dependencies of pyproject.toml to install (comma-separated; empty: none)
 
-.PHONY: install run test bench proto
+.PHONY: install run test test-fast bench proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast subset (no real model, no Ray cluster): under 3 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_decode.py

@@ -25,7 +25,7 @@ import grpc
 import openai
 import pytest
 import yaml
-from procs import free_port
+from procs import free_port, subprocess_env
 
 from shardserve.cluster.request import SamplingParams
 from shardserve.proto import inference_pb2 as pb
@@ -120,9 +120,7 @@ def start_node(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
     gcs, dash, client = free_port(), free_port(), free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    env.pop("RAY_ADDRESS", None)
+    env = subprocess_env()
     ray_tmp = tempfile.mkdtemp(prefix="ssmn", dir="/tmp")   # short: Ray's socket paths must fit 107 bytes
     nodes = Cluster(f"http://127.0.0.1:{dash}", env, tmp)
     try:
