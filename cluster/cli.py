@@ -285,7 +285,9 @@ class ServeStartError(RuntimeError):
     """``shardserve serve`` could not bring the app up (a replica failed to load)."""
 
 
-def _serve_args(ns: argparse.Namespace):
+def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
+    """The app's arguments from ``serve``'s flags; ``read_keys=False`` leaves the API keys unread
+    (``manifest``: keys reach the pods from a Secret, never through the manifest)."""
     from shardserve.cluster.coordinator import default_cpus_per_worker
     from shardserve.cluster.serve_app import ServeArgs
 
@@ -302,7 +304,8 @@ def _serve_args(ns: argparse.Namespace):
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        api_key=load_api_keys(ns.api_key, ns.api_key_file), max_queued_requests=ns.max_queued_requests,
+        api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
+        max_queued_requests=ns.max_queued_requests,
         request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)
 
 
@@ -412,12 +415,16 @@ def _manifest(ns: argparse.Namespace) -> int:
 
     from shardserve.cluster.manifest import PodLayout, render
 
+    if ns.api_key is not None or ns.api_key_file is not None:
+        raise ValueError("--api-key/--api-key-file would write keys into the manifest: put them in a Secret "
+                         "and pass --api-key-secret NAME[:KEY]")
     ns.cpus_per_worker = ns.cpus_per_worker or 1.0   # not this machine's cores: the pods' are unknown here
-    cfg = _serve_args(ns)
+    cfg = _serve_args(ns, read_keys=False)
     layout = PodLayout(name=ns.name, image=ns.image, worker_pods=ns.worker_pods, gpus_per_pod=ns.gpus_per_pod,
                        memory_per_pod=ns.memory_per_pod, head_memory=ns.head_memory, shm_size=ns.shm_size,
                        surge_pods=ns.surge_pods, api_key_secret=ns.api_key_secret, model_pvc=ns.model_pvc,
-                       model_mount=ns.model_mount, upgrade_strategy=ns.upgrade_strategy,
+                       model_mount=ns.model_mount, tls_secret=ns.tls_secret, ssl_certfile=ns.ssl_certfile,
+                       ssl_keyfile=ns.ssl_keyfile, upgrade_strategy=ns.upgrade_strategy,
                        service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []))
     sys.stdout.write(render(cfg, layout, shlex.join(["shardserve", *ns.argv])))
     return 0
@@ -438,19 +445,23 @@ def _manifest_flags(parser: argparse.ArgumentParser) -> None:
                         help="GPUs per worker pod (default: one replica's ranks, at most 8)")
     parser.add_argument("--memory-per-pod", default="8Gi", help="memory of a worker pod (Kubernetes quantity)")
     parser.add_argument("--head-memory", default="4Gi", help="memory of the head pod")
-    parser.add_argument("--shm-size", default=None, help="memory-backed /dev/shm per pod (default 1Gi, 64Gi on GPUs)")
+    parser.add_argument("--shm-size", default=None, help="memory-backed /dev/shm per pod (default: 1Gi, 64Gi on GPUs)")
     parser.add_argument("--surge-pods", type=int, default=None,
                         help="extra worker pods an upgrade may add while the new replica loads "
                              "(default: one replica's pods)")
     parser.add_argument("--api-key-secret", default=None, metavar="NAME[:KEY]",
-                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default)")
-    parser.add_argument("--model-pvc", default=None, help="PersistentVolumeClaim holding the weights")
+                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default; default: none, "
+                             "no authentication)")
+    parser.add_argument("--model-pvc", default=None, help="PersistentVolumeClaim holding the weights (default: none)")
     parser.add_argument("--model-mount", default="/models", help="where --model-pvc is mounted")
+    parser.add_argument("--tls-secret", default=None,
+                        help="Secret (kubectl create secret tls) mounted read-only at /etc/shardserve/tls in every "
+                             "pod, for --ssl-certfile/--grpc-tls-cert paths there (default: none)")
     parser.add_argument("--upgrade-strategy", choices=["NewCluster", "None"], default="NewCluster",
                         help="RayService upgrade of rayClusterConfig changes")
     parser.add_argument("--service-type", choices=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP")
     parser.add_argument("--env", type=_key_value, action="append", metavar="KEY=VALUE",
-                        help="extra environment variable of every Ray container (repeatable)")
+                        help="extra environment variable of every Ray container (repeatable; default: none)")
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -558,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.set_defaults(func=_serve)
 
     manifest_cmd = sub.add_parser("manifest", help="print a KubeRay RayService (YAML) that serves like `serve` with "
-                                                   "the same arguments, on Kubernetes pods")
+                                                   "the same arguments, on Kubernetes pods",
+                                  formatter_class=_HelpFormatter)
     _serve_flags(manifest_cmd)
     _manifest_flags(manifest_cmd)
     manifest_cmd.set_defaults(func=_manifest, host="0.0.0.0")

@@ -21,7 +21,10 @@ What it writes (one document, ``ray.io/v1`` ``RayService``):
   cluster through a ``NewCluster`` upgrade (a ``rayClusterConfig`` change: a whole new cluster,
   traffic moves once its models are loaded, the old one is deleted after ``drain_timeout_s``).
 - Ray's token authentication through KubeRay's ``authOptions``; the API key, when asked for, comes
-  from a Secret as ``SHARDSERVE_API_KEY`` (never written into the manifest).
+  from a Secret as ``SHARDSERVE_API_KEY`` (never written into the manifest). TLS files come from a
+  ``kubernetes.io/tls`` Secret mounted at ``/etc/shardserve/tls``; ``--ssl-certfile/--ssl-keyfile``
+  (HTTPS, and the readiness probe then speaks HTTPS) and ``--grpc-tls-cert/--grpc-tls-key`` name
+  files inside the pods, so they are written as given and not looked for on this machine.
 
 Bad layouts (more GPUs than the pods hold, fractional GPUs with NCCL, a name Kubernetes refuses)
 raise :class:`LayoutError` before anything is written.
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from shardserve.cluster.security import check_tls_pair
 from shardserve.cluster.serve_app import ServeArgs
 
 RAY_VERSION = "2.60.0"
@@ -45,6 +49,7 @@ _NCCL_ENV = {"NCCL_SOCKET_IFNAME": "eth0",   # the pod network interface carries
              "NCCL_DEBUG": "WARN"}
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")   # DNS-1035 label (KubeRay's rule for the name)
 _MAX_NAME = 47                                           # KubeRay appends 6 characters for the cluster
+TLS_MOUNT = "/etc/shardserve/tls"                        # where --tls-secret is mounted
 
 
 class LayoutError(ValueError):
@@ -66,6 +71,8 @@ class PodLayout:
             (default: the pods of one replica; 0 pins the size, then an upgrade waits for room).
         api_key_secret: Secret holding the API key (``NAME`` with key ``api-key``, or ``NAME:KEY``).
         model_pvc: PersistentVolumeClaim with the weights, mounted read-only at ``model_mount``.
+        tls_secret: Secret with TLS files, mounted read-only at :data:`TLS_MOUNT`.
+        ssl_certfile / ssl_keyfile: HTTPS files of Serve's proxy (paths inside the pods).
         upgrade_strategy: RayService ``upgradeStrategy.type`` for ``rayClusterConfig`` changes.
         service_type: type of the OpenAI API Service.
         http_port: Serve's HTTP port. env: extra environment of every Ray container.
@@ -82,6 +89,9 @@ class PodLayout:
     api_key_secret: str | None = None
     model_pvc: str | None = None
     model_mount: str = "/models"
+    tls_secret: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     upgrade_strategy: str = "NewCluster"
     service_type: str = "ClusterIP"
     http_port: int = 8000
@@ -110,12 +120,9 @@ def fit(args: ServeArgs, layout: PodLayout) -> Fit:
     Raises:
         LayoutError: the pods cannot hold the replicas, or the GPU settings cannot work.
     """
-    try:
-        args.validate()
-    except ValueError as exc:
-        raise LayoutError(str(exc)) from exc
+    _validate(args, layout)
     workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
-    gpu = args.gpus_per_worker
+    gpu = args.worker_gpus()
     if gpu:
         gpus_per_pod = layout.gpus_per_pod or min(8, math.ceil(workers * gpu))
         per_pod = int(gpus_per_pod // gpu)
@@ -148,25 +155,47 @@ def fit(args: ServeArgs, layout: PodLayout) -> Fit:
                math.ceil(per_pod * args.cpus_per_worker + spare), int(gpus_per_pod))
 
 
+def _validate(args: ServeArgs, layout: PodLayout) -> None:
+    """``ServeArgs.validate`` minus the TLS files' presence (they are paths inside the pods).
+
+    Raises:
+        LayoutError: an invalid setting, or a certificate without its key (or the reverse).
+    """
+    try:
+        check_tls_pair(args.grpc_tls_cert, args.grpc_tls_key, "--grpc-tls-cert", "--grpc-tls-key")
+        check_tls_pair(layout.ssl_certfile, layout.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
+    except FileNotFoundError:
+        pass   # both given: the files live in the pods
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
+    try:
+        dataclasses.replace(args, grpc_tls_cert=None, grpc_tls_key=None).validate()
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
+
+
 def app_args(args: ServeArgs) -> dict:
     """The ``args:`` of the Serve application: the layout fields and whatever differs from the
     defaults (so a field added to ``ServeArgs`` later does not change existing manifests)."""
     defaults = ServeArgs()
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs)
-            if f.name != "api_key" and (f.name in _ALWAYS_ARGS or getattr(args, f.name) != getattr(defaults, f.name))}
+            if f.name not in ("api_key", "api_key_file") and (f.name in _ALWAYS_ARGS or getattr(args, f.name) != getattr(defaults, f.name))}
 
 
 def serve_config(args: ServeArgs, layout: PodLayout) -> dict:
     """The Serve config (``serveConfigV2``) deploying ``build_app`` with ``args``."""
+    http_options: dict = {"host": "0.0.0.0", "port": layout.http_port}
+    if layout.ssl_certfile:
+        http_options.update(ssl_certfile=layout.ssl_certfile, ssl_keyfile=layout.ssl_keyfile)
     return {"proxy_location": "EveryNode",
-            "http_options": {"host": "0.0.0.0", "port": layout.http_port},
+            "http_options": http_options,
             "applications": [{"name": "shardserve", "route_prefix": "/",
                               "import_path": "shardserve.cluster.serve_app:build_app", "args": app_args(args)}]}
 
 
 def _env(args: ServeArgs, layout: PodLayout) -> dict:
     """``{"env": [...]}`` of a Ray container (empty when there is nothing to set)."""
-    env = dict(_NCCL_ENV) if args.gpus_per_worker else {}
+    env = dict(_NCCL_ENV) if args.worker_gpus() else {}
     env.update(layout.env)
     out = [{"name": key, "value": value} for key, value in env.items()]
     if layout.api_key_secret:
@@ -182,6 +211,9 @@ def _volumes(layout: PodLayout, shm_size: str) -> tuple[list[dict], list[dict]]:
     if layout.model_pvc:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": layout.model_pvc, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": layout.model_mount, "readOnly": True})
+    if layout.tls_secret:
+        volumes.append({"name": "tls", "secret": {"secretName": layout.tls_secret}})
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
@@ -201,7 +233,7 @@ def _head(args: ServeArgs, layout: PodLayout) -> dict:
 
 
 def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
-    shm = layout.shm_size or ("64Gi" if args.gpus_per_worker else "1Gi")
+    shm = layout.shm_size or ("64Gi" if args.worker_gpus() else "1Gi")
     volumes, mounts = _volumes(layout, shm)
     resources = {"cpu": str(placed.cpus_per_pod), "memory": layout.memory_per_pod}
     if placed.gpus_per_pod:
@@ -213,7 +245,8 @@ def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
         "volumeMounts": mounts,
         # Ready once this pod's Serve proxy reaches a loaded model (503 while loading); pods that
         # hold no Serve replica run no proxy and stay unready, as with KubeRay's default probe.
-        "readinessProbe": {"httpGet": {"path": "/health", "port": layout.http_port},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": layout.http_port,
+                                       **({"scheme": "HTTPS"} if layout.ssl_certfile else {})},
                            "periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 2}}
     spec: dict = {"containers": [container], "volumes": volumes}
     if placed.gpus_per_pod:
@@ -273,7 +306,7 @@ def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
     """
     doc = rayservice(args, layout)
     placed = fit(args, layout)
-    gpu = f", {args.gpus_per_worker:g} GPU" if args.gpus_per_worker else ""
+    gpu = f", {args.worker_gpus():g} GPU" if args.worker_gpus() else ""
     lines = [
         "# Generated by `shardserve manifest` from the arguments of `shardserve serve`; do not edit, regenerate:",
         f"#   {command}",
@@ -289,5 +322,8 @@ def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
     if layout.api_key_secret:
         secret = layout.api_key_secret.partition(":")
         lines.append(f"# API key: kubectl create secret generic {secret[0]} --from-literal={secret[2] or 'api-key'}=...")
+    if layout.tls_secret:
+        lines.append(f"# TLS files: kubectl create secret tls {layout.tls_secret} --cert=tls.crt --key=tls.key "
+                     f"(mounted at {TLS_MOUNT})")
     body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
     return "\n".join(lines) + "\n" + body

@@ -177,6 +177,38 @@ def test_gpu_example_spans_one_replica_over_two_8_gpu_pods():
     assert doc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
 
 
+def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys, monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_API_KEY", "sk-of-this-shell")   # never copied into a manifest
+    tls = "/etc/shardserve/tls"
+    assert main(["manifest", "-tp", "2", "--device", "cuda", "--dtype", "float16", "--gpu-memory-utilization", "0.8",
+                 "--max-queued-requests", "32", "--request-timeout", "120", "--api-key-secret", "keys:main",
+                 "--tls-secret", "shardserve-tls", "--ssl-certfile", f"{tls}/tls.crt", "--ssl-keyfile",
+                 f"{tls}/tls.key", "--grpc-tls-cert", f"{tls}/tls.crt", "--grpc-tls-key", f"{tls}/tls.key"]) == 0
+    text = capsys.readouterr().out
+    assert "sk-of-this-shell" not in text and "kubectl create secret tls shardserve-tls" in text
+    doc = yaml.safe_load(text)
+    errors = list(validators[("ray.io/v1", "RayService")].iter_errors(doc))
+    assert not errors + kuberay_rules(doc), errors + kuberay_rules(doc)
+    config = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    args = config["applications"][0]["args"]
+    assert {key: args[key] for key in ("device", "dtype", "gpu_memory_utilization", "max_queued_requests",
+                                       "request_timeout", "grpc_tls_cert", "grpc_tls_key")} == {
+        "device": "cuda", "dtype": "float16", "gpu_memory_utilization": 0.8, "max_queued_requests": 32,
+        "request_timeout": 120.0, "grpc_tls_cert": f"{tls}/tls.crt", "grpc_tls_key": f"{tls}/tls.key"}
+    assert "api_key" not in args and "api_key_file" not in args
+    assert (config["http_options"]["ssl_certfile"], config["http_options"]["ssl_keyfile"]) == (
+        f"{tls}/tls.crt", f"{tls}/tls.key")
+    group = worker_group(doc)
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"   # --device cuda: one GPU per rank
+    assert {e["name"]: e for e in container["env"]}["SHARDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "keys", "key": "main"}}
+    assert {"name": "tls", "secret": {"secretName": "shardserve-tls"}} in group["template"]["spec"]["volumes"]
+    assert {"name": "tls", "mountPath": tls, "readOnly": True} in container["volumeMounts"]
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
 @pytest.mark.parametrize("bad,message", [
     (["-tp", "16", "--gpus-per-worker", "1", "--worker-pods", "1", "--gpus-per-pod", "8"],
      "layout does not fit: TP=16 x 1 replica(s) need 2 worker pod(s) of 8 GPUs, got 1"),
@@ -188,6 +220,10 @@ def test_gpu_example_spans_one_replica_over_two_8_gpu_pods():
      "STRICT_PACK puts a replica's 4 workers on one pod"),
     (["-tp", "2", "--gpus-per-pod", "8"], "would not use the GPUs"),
     (["--name", "Shard_Serve"], "DNS-1035 label"),
+    (["--api-key", "sk-secret"], "put them in a Secret and pass --api-key-secret"),
+    (["--api-key-file", "/etc/keys"], "put them in a Secret and pass --api-key-secret"),
+    (["--grpc-tls-cert", "/etc/shardserve/tls/tls.crt"], "--grpc-tls-cert needs --grpc-tls-key too"),
+    (["--ssl-keyfile", "/etc/shardserve/tls/tls.key"], "--ssl-keyfile needs --ssl-certfile too"),
 ])
 def test_a_layout_that_cannot_fit_is_one_line_and_exit_2(bad, message, capsys):
     assert main(["manifest", *bad]) == 2
