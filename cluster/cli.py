@@ -386,7 +386,7 @@ def _serve(ns: argparse.Namespace) -> int:
         try:   # returns once every replica has loaded its model
             serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
         except RuntimeError as exc:   # Serve gave up on a replica whose constructor kept failing
-            raise ServeStartError(f"{_root_cause(exc)} (logs: {ray_logs_dir()})") from exc
+            raise ServeStartError(f"{_deploy_failure(ns.app_name, exc)} (logs: {ray_logs_dir()})") from None
         health = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.ready_timeout)
         print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
               f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keys else ''}", flush=True)
@@ -408,6 +408,21 @@ def _serve(ns: argparse.Namespace) -> int:
         finally:
             ray.shutdown()
     return 0
+
+
+def _deploy_failure(app_name: str, exc: Exception) -> str:
+    """Why ``serve.run`` failed: the cause a failed deployment reports (a replica's constructor
+    raised ``replica I failed to load: ...``), else the error's own root cause."""
+    from ray import serve
+
+    try:
+        deployments = serve.status().applications[app_name].deployments
+    except Exception:  # noqa: BLE001 - the app is gone; the error is all we know
+        return _root_cause(exc)
+    for deployment in deployments.values():
+        if deployment.status not in ("HEALTHY", "UPDATING") and deployment.message:
+            return _root_cause(RuntimeError(deployment.message))
+    return _root_cause(exc)
 
 
 def _manifest(ns: argparse.Namespace) -> int:
