@@ -1,17 +1,20 @@
-# Every target installs what it needs into .venv first (torch 2.13.0 CPU build, then the package).
+# Every target installs what it needs into .venv first (torch 2.13.0, then the package).
+# The images install the same way: `make install VENV=/opt/venv TORCH_INDEX=... EXTRAS=...` (Dockerfile*).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardserve-installed
 PYTEST_ARGS ?=
 RUN_ARGS ?=
+TORCH_INDEX ?=          # e.g. --index-url https://download.pytorch.org/whl/cpu (CPU-only torch wheels)
+EXTRAS ?= test          # optional dependencies of pyproject.toml to install (comma-separated; empty: none)
 
 .PHONY: install run test test-fast bench proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX)
+	$(PY) -m pip install -q -e '.$(if $(strip $(EXTRAS)),[$(strip $(EXTRAS))])'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,5 +1,6 @@
 """``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
-API of one replica) and ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas).
+API of one replica), ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas) and
+``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments).
 
 Every flag's help names its default and unit. Bad arguments are one line on stderr and exit code
 2, found before anything is loaded. ``serve`` and ``serve-grpc`` keep Ray's worker logs out of
@@ -79,8 +80,9 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus-per-worker", type=float, default=None,
                         help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
     parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs reserved per shard worker")
-    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD"], default="PACK",
-                        help="Ray placement of a replica's ranks: PACK (one node) or SPREAD")
+    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                        default="PACK", help="Ray placement of a replica's coordinator and ranks (STRICT_SPREAD: "
+                                             "each on a node of its own; ranks on several nodes use gloo/NCCL)")
     parser.add_argument("--cpu-collective", choices=["shm", "gloo"], default=None,
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
@@ -275,7 +277,9 @@ class ServeStartError(RuntimeError):
     """``shardserve serve`` could not bring the app up (a replica failed to load)."""
 
 
-def _serve_args(ns: argparse.Namespace):
+def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
+    """The app's arguments from ``serve``'s flags; ``read_keys=False`` leaves the API keys unread
+    (``manifest``: keys reach the pods from a Secret, never through the manifest)."""
     from shardserve.cluster.coordinator import default_cpus_per_worker
     from shardserve.cluster.serve_app import ServeArgs
 
@@ -285,14 +289,16 @@ def _serve_args(ns: argparse.Namespace):
         data_parallel_size=ns.data_parallel_size, tensor_split=ns.tensor_split,
         cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(tp), gpus_per_worker=ns.gpus_per_worker,
         placement_strategy=ns.placement_strategy, cpu_collective=ns.cpu_collective, dispatch=ns.dispatch,
-        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, block_size=ns.block_size,
+        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
+        block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
         recovery_timeout=ns.recovery_timeout,
-        api_key=load_api_keys(ns.api_key, ns.api_key_file), max_queued_requests=ns.max_queued_requests,
+        api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
+        max_queued_requests=ns.max_queued_requests,
         request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)
 
 
@@ -370,7 +376,10 @@ def _serve(ns: argparse.Namespace) -> int:
     try:
         # The proxy's access log would repeat the router's; the router logs every request but /health.
         serve.start(http_options=http_options, logging_config={"enable_access_log": False})
-        serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
+        try:   # returns once every replica has loaded its model
+            serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
+        except RuntimeError as exc:   # Serve gave up on a replica whose constructor kept failing
+            raise ServeStartError(f"{_deploy_failure(ns.app_name, exc)} (logs: {ray_logs_dir()})") from None
         health = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.ready_timeout)
         print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
               f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keys else ''}", flush=True)
@@ -392,6 +401,75 @@ def _serve(ns: argparse.Namespace) -> int:
         finally:
             ray.shutdown()
     return 0
+
+
+def _deploy_failure(app_name: str, exc: Exception) -> str:
+    """Why ``serve.run`` failed: the cause a failed deployment reports (a replica's constructor
+    raised ``replica I failed to load: ...``), else the error's own root cause."""
+    from ray import serve
+
+    try:
+        deployments = serve.status().applications[app_name].deployments
+    except Exception:  # noqa: BLE001 - the app is gone; the error is all we know
+        return _root_cause(exc)
+    for deployment in deployments.values():
+        if deployment.status not in ("HEALTHY", "UPDATING") and deployment.message:
+            return _root_cause(RuntimeError(deployment.message))
+    return _root_cause(exc)
+
+
+def _manifest(ns: argparse.Namespace) -> int:
+    import shlex
+
+    from shardserve.cluster.manifest import PodLayout, render
+
+    if ns.api_key is not None or ns.api_key_file is not None:
+        raise ValueError("--api-key/--api-key-file would write keys into the manifest: put them in a Secret "
+                         "and pass --api-key-secret NAME[:KEY]")
+    ns.cpus_per_worker = ns.cpus_per_worker or 1.0   # not this machine's cores: the pods' are unknown here
+    cfg = _serve_args(ns, read_keys=False)
+    layout = PodLayout(name=ns.name, image=ns.image, worker_pods=ns.worker_pods, gpus_per_pod=ns.gpus_per_pod,
+                       memory_per_pod=ns.memory_per_pod, head_memory=ns.head_memory, shm_size=ns.shm_size,
+                       surge_pods=ns.surge_pods, api_key_secret=ns.api_key_secret, model_pvc=ns.model_pvc,
+                       model_mount=ns.model_mount, tls_secret=ns.tls_secret, ssl_certfile=ns.ssl_certfile,
+                       ssl_keyfile=ns.ssl_keyfile, upgrade_strategy=ns.upgrade_strategy,
+                       service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []))
+    sys.stdout.write(render(cfg, layout, shlex.join(["shardserve", *ns.argv])))
+    return 0
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _manifest_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default="shardserve", help="RayService name (the Service is NAME-openai)")
+    parser.add_argument("--image", default="shardserve:0.1.0", help="image with shardserve installed")
+    parser.add_argument("--worker-pods", type=int, default=None, help="worker pods (default: the fewest that fit)")
+    parser.add_argument("--gpus-per-pod", type=int, default=None,
+                        help="GPUs per worker pod (default: one replica's ranks, at most 8)")
+    parser.add_argument("--memory-per-pod", default="8Gi", help="memory of a worker pod (Kubernetes quantity)")
+    parser.add_argument("--head-memory", default="4Gi", help="memory of the head pod")
+    parser.add_argument("--shm-size", default=None, help="memory-backed /dev/shm per pod (default: 1Gi, 64Gi on GPUs)")
+    parser.add_argument("--surge-pods", type=int, default=None,
+                        help="extra worker pods an upgrade may add while the new replica loads "
+                             "(default: one replica's pods)")
+    parser.add_argument("--api-key-secret", default=None, metavar="NAME[:KEY]",
+                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default; default: none, "
+                             "no authentication)")
+    parser.add_argument("--model-pvc", default=None, help="PersistentVolumeClaim holding the weights (default: none)")
+    parser.add_argument("--model-mount", default="/models", help="where --model-pvc is mounted")
+    parser.add_argument("--tls-secret", default=None,
+                        help="Secret (kubectl create secret tls) mounted read-only at /etc/shardserve/tls in every "
+                             "pod, for --ssl-certfile/--grpc-tls-cert paths there (default: none)")
+    parser.add_argument("--upgrade-strategy", choices=["NewCluster", "None"], default="NewCluster",
+                        help="RayService upgrade of rayClusterConfig changes")
+    parser.add_argument("--service-type", choices=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP")
+    parser.add_argument("--env", type=_key_value, action="append", metavar="KEY=VALUE",
+                        help="extra environment variable of every Ray container (repeatable; default: none)")
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -490,33 +568,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve "
                                             "(tensor-parallel replicas) until Ctrl-C", formatter_class=_HelpFormatter)
-    serve_cmd.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
-                           help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
-    _engine_flags(serve_cmd)
-    _cluster_flags(serve_cmd)
-    _front_flags(serve_cmd)
-    serve_cmd.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                           help="model replicas (each a TP group); requests go to the least-loaded one")
+    _serve_flags(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1",
                            help="interface the HTTP API binds (0.0.0.0: all; without --api-key a warning)")
-    serve_cmd.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI HTTP API")
-    serve_cmd.add_argument("--grpc-port", type=int, default=50051,
-                           help="TCP port of replica 0's gRPC API (replica i: port + i); 0 = any free port")
-    serve_cmd.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
-    serve_cmd.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
-    serve_cmd.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")
-    serve_cmd.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
     serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0,
                            help="seconds to wait for the model to load")
     serve_cmd.set_defaults(func=_serve)
+
+    manifest_cmd = sub.add_parser("manifest", help="print a KubeRay RayService (YAML) that serves like `serve` with "
+                                                   "the same arguments, on Kubernetes pods",
+                                  formatter_class=_HelpFormatter)
+    _serve_flags(manifest_cmd)
+    _manifest_flags(manifest_cmd)
+    manifest_cmd.set_defaults(func=_manifest, host="0.0.0.0")
     return parser
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``serve`` and ``manifest`` share (the app's :class:`ServeArgs` and HTTPS files)."""
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                        help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
+    _engine_flags(parser)
+    _cluster_flags(parser)
+    _front_flags(parser)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="model replicas (each a TP group); requests go to the least-loaded one")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI HTTP API")
+    parser.add_argument("--grpc-port", type=int, default=50051,
+                        help="TCP port of replica 0's gRPC API (replica i: port + i); 0 = any free port")
+    parser.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
+    parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
+    parser.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
+    parser.add_argument("--drain-timeout-s", type=float, default=300.0,
+                        help="seconds a replaced replica may take to finish its running requests (size it for "
+                             "your longest completion)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` console script. Logs go to stderr, results to stdout."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
+    ns.argv = argv
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError, ServeStartError, TimeoutError) as exc:

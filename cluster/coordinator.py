@@ -110,6 +110,8 @@ class Coordinator:
         self._reload_lock: asyncio.Lock | None = None
         self._grpc = None
         self._node_ip = ray.util.get_node_ip_address()
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self.draining = False   # being replaced (drain()): in-flight requests finish, new ones are refused
         logger.info("replica ready: %s, TP=%d (%s, %s), %d KV blocks", self.files.name, args.tensor_parallel_size,
                     self.group.collective, group.dispatch, self.group.num_blocks)
 
@@ -335,6 +337,8 @@ class Coordinator:
         """
         if not self.healthy:
             raise ReplicaUnavailable(self.error)
+        if self.draining:
+            raise ReplicaUnavailable("draining: this replica is being replaced; retry on another")
         waiting = len(self.core.scheduler.waiting)
         if waiting >= self.front.max_queued_requests:
             raise QueueFull(f"{waiting} requests already wait on this replica (--max-queued-requests "
@@ -405,7 +409,16 @@ class Coordinator:
             "workers": [{"role": "coordinator", "rank": 0, "pid": os.getpid(), "bundle_index": 0, "weight_loads": 0}]
             + [{key: w[key] for key in ("role", "rank", "pid", "bundle_index", "weight_loads")}
                for w in self.worker_status],
+            **self.placement(), "draining": self.draining,
         }
+
+    def placement(self) -> dict:
+        """Where the replica runs: ``coordinator_node``, ``rank_nodes`` / ``rank_node_ips`` (Ray node
+        id / IP of each rank, rank order) and ``num_nodes`` (distinct nodes of all of them)."""
+        rank_nodes = [node for node, _ in self.group.rank_nodes]
+        return {"coordinator_node": self._node_id, "rank_nodes": rank_nodes,
+                "rank_node_ips": [ip for _, ip in self.group.rank_nodes],
+                "num_nodes": len({self._node_id, *rank_nodes})}
 
     def speculative_metrics(self) -> str:
         """MTP acceptance counters in Prometheus text format (empty when speculation is off)."""
@@ -428,6 +441,23 @@ class Coordinator:
         if self._grpc is None:
             self._grpc = await start_grpc_server(self, host, port, self.front)
         return f"{self._node_ip if host in ('0.0.0.0', '::', '') else host}:{self._grpc.port}"
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking requests (new ones get UNAVAILABLE, gRPC health turns NOT_SERVING, so
+        routers send them elsewhere) and wait until the running ones finish, at most ``timeout_s``.
+
+        Returns:
+            How many requests were still unfinished at the deadline (0: drained).
+        """
+        self.draining = True
+        if self._grpc is not None:
+            self._grpc.set_unhealthy()
+        deadline = time.monotonic() + timeout_s
+        while self._queues and self.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._queues:
+            logger.warning("drain: %d request(s) still running after %.0f s", len(self._queues), timeout_s)
+        return len(self._queues)
 
     async def shutdown(self) -> None:
         """Stop serving, stop the ranks, release the placement group and shared memory."""

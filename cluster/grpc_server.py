@@ -188,18 +188,24 @@ async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfi
     """
     front = front or FrontConfig()
     interceptors = [ApiKeyInterceptor(front.api_keys)] if front.api_keys else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # No SO_REUSEPORT: a second server on a port in use must fail, not share the port's connections
+    # (the replica being replaced in a rolling upgrade may still hold it while it drains).
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator, front.request_timeout), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     warn_if_exposed(host, front.api_keys, "the gRPC server")
     tls = front.grpc_tls()
-    if tls is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        cert_chain, private_key = tls
-        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(private_key, cert_chain)]))
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            cert_chain, private_key = tls
+            credentials = grpc.ssl_server_credentials([(private_key, cert_chain)])
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:   # grpcio >= 1.5x raises instead of returning 0
+        bound = 0
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

@@ -25,7 +25,10 @@ class ServeMetrics:
     (admission control refused a call), ``outstanding_tokens``, ``num_requests_running``,
     ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``, ``kv_cache_blocks``,
     ``replica_ready``, ``weights_version``, ``worker_restarts_total`` (shard or draft worker actors
-    the replica replaced in place; reset when Serve replaces the replica).
+    the replica replaced in place; reset when Serve replaces the replica); placement:
+    ``replica_nodes`` (distinct Ray nodes of the coordinator and ranks),
+    ``replica_info{collective,dispatch,coordinator_node}`` and ``rank_node_info{rank,node_id,node_ip}``
+    (value 1, the labels carry the facts).
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -62,6 +65,14 @@ class ServeMetrics:
                                      "that changed a tensor)", ["replica"], registry=reg)
         self.worker_restarts: dict[str, int] = {}    # replica -> its count (a counter the replica keeps)
         reg.register(_ReplicaCounters(self))
+        self.nodes = Gauge("shardserve_replica_nodes", "Distinct Ray nodes running a replica's coordinator and ranks",
+                           ["replica"], registry=reg)
+        self.replica_info = Gauge("shardserve_replica_info", "A replica's all-reduce backend, dispatch and "
+                                  "coordinator node (value 1)", ["replica", "collective", "dispatch",
+                                                                 "coordinator_node"], registry=reg)
+        self.rank_node = Gauge("shardserve_rank_node_info", "Ray node of each tensor-parallel rank (value 1)",
+                               ["replica", "rank", "node_id", "node_ip"], registry=reg)
+        self._placement: dict[str, list[tuple]] = {}   # replica -> [(info gauge, label values)] last set
 
     def count(self, endpoint: str, status: int, outcome: str) -> None:
         """Count one request that ended (``requests_total``)."""
@@ -86,6 +97,21 @@ class ServeMetrics:
             self.total_blocks.labels(label).set(info.get("num_blocks", 0))
             self.weights_version.labels(label).set(info.get("weights_version", 0))
             self.worker_restarts[label] = info.get("worker_restarts", 0)
+            if info.get("collective"):
+                self._set_placement(label, info)
+
+    def _set_placement(self, label: str, info: dict) -> None:
+        """Info-style series of one replica; the ones of a previous placement are removed."""
+        series = [(self.replica_info, (label, info["collective"], info["dispatch"], info["coordinator_node"]))]
+        series += [(self.rank_node, (label, str(rank), node, ip))
+                   for rank, (node, ip) in enumerate(zip(info["rank_nodes"], info["rank_node_ips"]))]
+        for gauge, values in self._placement.get(label, []):
+            if (gauge, values) not in series:
+                gauge.remove(*values)
+        for gauge, values in series:
+            gauge.labels(*values).set(1)
+        self._placement[label] = series
+        self.nodes.labels(label).set(info["num_nodes"])
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

@@ -15,6 +15,10 @@ skipped for the next one; when all are full the answer is 429 with ``Retry-After
 that passes answers 408 (or ends a stream with an error event). Every request is counted once in
 ``requests_total`` when it ends, with its HTTP status and outcome (``finished``, ``rejected``,
 ``cancelled``, ``timeout``, ``error``).
+
+While a replica is being replaced (rolling upgrade) it refuses new requests with UNAVAILABLE; a
+request refused before anything was sent to the client waits for the replacement (re-polling the
+replicas, at most ``route_wait_s``) instead of failing.
 """
 
 from __future__ import annotations
@@ -36,14 +40,16 @@ from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
     timed_out, unavailable, usage_chunk)
-from shardserve.cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.cluster.security import FrontConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
-_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version", "worker_restarts")
+_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version", "worker_restarts",
+                 "collective", "dispatch", "coordinator_node", "num_nodes")
+_LIST_FIELDS = ("rank_nodes", "rank_node_ips")
 
 
 _RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one request ends
@@ -97,10 +103,12 @@ class RouterCore:
         load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
         front: API keys (the first one is sent to the replicas), gRPC TLS (the certificate is
             trusted when dialling a replica) and the request timeout.
+        route_wait_s: how long a request waits for a replica that is being replaced.
     """
 
     def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
-                 load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None) -> None:
+                 load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None,
+                 route_wait_s: float = 30.0) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
         tls = self.front.grpc_tls()
@@ -109,9 +117,11 @@ class RouterCore:
         self.created = int(time.time())   # ``created`` of the model card: when this router started
         self.metrics = ServeMetrics()
         self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
+        self.route_wait_s = route_wait_s
         self.tokenizer = self.token_text = None
         self.tokenizer_error: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self._polled = asyncio.Event()   # set after the first round of status calls
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
@@ -127,28 +137,50 @@ class RouterCore:
             logger.exception("router: loading the tokenizer failed")
             self.tokenizer_error = f"{type(exc).__name__}: {exc}"
 
+    async def wait_started(self, timeout_s: float = 60.0) -> None:
+        """Wait until the tokenizer is loaded and every replica was polled once (or ``timeout_s``).
+
+        Raises:
+            RuntimeError: the tokenizer could not be loaded.
+        """
+        try:
+            await asyncio.wait_for(asyncio.gather(asyncio.shield(self._tasks[0]), self._polled.wait()),
+                                   timeout=timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("router: not started within %.0f s; serving anyway", timeout_s)
+        if self.tokenizer_error:
+            raise RuntimeError(f"the router could not load the tokenizer: {self.tokenizer_error}")
+
+    async def _poll(self, index: int, fetch: StatusFetcher) -> None:
+        replica = self.pool.replicas[index]
+        try:
+            status = await asyncio.wait_for(fetch(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - loading or restarting replicas answer late or fail
+            if replica.state in (READY, UNREACHABLE):   # it served: being replaced or restarted
+                self.pool.mark_unreachable(replica, f"status call failed: {type(exc).__name__}")
+                return
+            status = {"state": LOADING, "address": replica.address, "error": None}
+        try:
+            self.pool.update(index, status)
+        except Exception:  # noqa: BLE001 - keep watching the other replicas
+            logger.exception("router: bad status from replica %d: %r", index, status)
+
+    async def poll_all(self) -> None:
+        """Ask every replica for its status now (concurrently) and apply the answers."""
+        await asyncio.gather(*(self._poll(i, fetch) for i, fetch in enumerate(self.fetchers)))
+        self._polled.set()
+
     async def _watch(self) -> None:
         while True:
-            for index, fetch in enumerate(self.fetchers):
-                try:
-                    status = await asyncio.wait_for(fetch(), timeout=10)
-                except Exception as exc:  # noqa: BLE001 - restarting replicas fail calls for a while
-                    status = {"state": LOADING, "address": self.pool.replicas[index].address,
-                              "error": f"status call failed: {type(exc).__name__}"}
-                try:
-                    self.pool.update(index, status)
-                except Exception:  # noqa: BLE001 - keep watching the other replicas
-                    logger.exception("router: bad status from replica %d: %r", index, status)
+            await self.poll_all()
             ready = len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for replica in self.pool.replicas:
-            if replica.channel is not None:
-                await replica.channel.close()
-            replica.channel = replica.stub = None
+        channels = self.pool.detach_channels()
+        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
     def _ready_or_503(self) -> None:
         if self.tokenizer_error:
@@ -195,6 +227,7 @@ class RouterCore:
                 try:
                     msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=self._metadata)
                     info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
+                    info.update({name: list(getattr(msg, name)) for name in _LIST_FIELDS})
                 except grpc.aio.AioRpcError:
                     info = None
             self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)
@@ -253,6 +286,9 @@ class RouterCore:
         """Open every choice's call on the least-loaded replica and read its first response; a
         replica whose queue is full is skipped for the next one.
 
+        A replica that refuses the call (UNAVAILABLE: draining or dead) is skipped; when none is
+        left but one is being replaced, the request waits for it (at most ``route_wait_s``).
+
         Raises:
             OpenAIError: 400 when the engine rejects the request, 408 past ``deadline`` (monotonic
                 time), 429 when every ready replica's queue is full, 503 when no replica can take it.
@@ -264,6 +300,7 @@ class RouterCore:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         excluded: tuple[int, ...] = ()
         full: list[int] = []   # replicas that answered RESOURCE_EXHAUSTED
+        wait_until = time.monotonic() + self.route_wait_s
         while True:
             try:
                 lease = self.pool.pick(cost_prompt, cost_output, excluded)
@@ -271,12 +308,19 @@ class RouterCore:
                 if full:
                     raise rate_limited(f"the server is at capacity: the waiting queue of every ready replica "
                                        f"({len(full)}) is full; retry after {_RETRY_AFTER_S} s") from exc
-                raise unavailable(f"no replica can take the request: {exc}") from exc
+                if deadline is not None and time.monotonic() > deadline:
+                    raise timed_out(self._timeout_message()) from exc
+                if not self.pool.in_transition(self.route_wait_s) or time.monotonic() > wait_until:
+                    raise unavailable(f"no replica can take the request: {exc}") from exc
+                await asyncio.sleep(0.1)
+                await self.poll_all()   # learn the replacement's address (or see the old one back)
+                excluded = ()
+                continue
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 lease.release()
                 raise timed_out(self._timeout_message())
-            stub = lease.replica.stub
+            stub = lease.stub   # the lease keeps the channel open even if the replica moves
             calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout=timeout,
                                    metadata=self._metadata)
                      for p, ids in enumerate(prompt_ids) for j in range(n)]

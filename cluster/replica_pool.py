@@ -5,12 +5,17 @@ this router has sent it and that is not done yet. A request costs ``n * (prompt 
 tokens when it is sent; the prompt part is paid back when its first response arrives (the prefill
 is done), one token per generated token, and the rest when it ends. Ties go to the replica used
 least recently, so equal replicas take turns.
+
+A replica's address changes when Serve replaces it (rolling upgrade, restart). The channel to the
+old address stays open until the requests leased on it end, so a switch never cuts a running
+stream; it is closed then.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +40,7 @@ class Replica:
     info: dict = field(default_factory=dict)   # last ModelInfo answer (model, max_model_len, blocks, ...)
     outstanding_tokens: int = 0
     last_used: int = 0             # routing order stamp (ties: least recently used first)
+    unreachable_since: float = 0.0  # monotonic time it turned unreachable
     channel: object = None         # grpc.aio channel to ``address``
     stub: object = None            # InferenceStub on ``channel``
 
@@ -45,17 +51,23 @@ class Replica:
 
 
 class Lease:
-    """The outstanding tokens one request holds on its replica.
+    """The outstanding tokens one request holds on its replica, and the channel it uses.
 
     Args:
         replica: where the request runs.
         prompt_tokens: prompt tokens still to prefill (all of them, over every choice).
         output_tokens: output tokens it may still produce (over every choice).
+        pool: the pool that keeps the replica's channel open until :meth:`release`.
     """
 
-    def __init__(self, replica: Replica, prompt_tokens: int, output_tokens: int) -> None:
+    def __init__(self, replica: Replica, prompt_tokens: int, output_tokens: int,
+                 pool: ReplicaPool | None = None) -> None:
         self.replica, self.prompt_tokens, self.output_tokens = replica, prompt_tokens, output_tokens
+        self.channel, self.stub = replica.channel, replica.stub   # kept even if the replica moves
         replica.outstanding_tokens += prompt_tokens + output_tokens
+        self._pool = pool
+        if pool is not None:
+            pool._hold(self.channel)
 
     def prefilled(self, prompt_tokens: int) -> None:
         """A choice got its first response: ``prompt_tokens`` of the prompt part are done."""
@@ -73,6 +85,9 @@ class Lease:
         """The request ended (finished, failed or cancelled): pay back the rest. Idempotent."""
         self.replica.outstanding_tokens -= self.prompt_tokens + self.output_tokens
         self.prompt_tokens = self.output_tokens = 0
+        if self._pool is not None:
+            self._pool._unhold(self.channel)
+            self._pool = None
 
 
 class ReplicaPool:
@@ -90,6 +105,8 @@ class ReplicaPool:
         self.replicas = [Replica(i) for i in range(num_replicas)]
         self._connect, self._close = connect, close
         self._stamp = itertools.count(1)
+        self._holds: dict[int, int] = {}        # id(channel) -> leases using it
+        self._retired: dict[int, object] = {}   # id(channel) -> replaced channel, closed when unheld
 
     def update(self, index: int, status: dict) -> None:
         """Apply a replica's ``status()`` answer: ``{"state", "address", "error", "info"}``."""
@@ -109,10 +126,18 @@ class ReplicaPool:
             replica.state, replica.error = FAILED, "a shard worker died"
 
     def mark_unreachable(self, replica: Replica, error: str) -> None:
-        """The replica failed a call; skip it until the poller sees it ready again."""
+        """The replica failed a call (or its status call); skip it until the poller sees it ready
+        again."""
         if replica.state == READY:
             logger.warning("replica %d unreachable: %s", replica.index, error)
             replica.state, replica.error = UNREACHABLE, error
+            replica.unreachable_since = time.monotonic()
+
+    def in_transition(self, max_age_s: float) -> bool:
+        """Some replica served and stopped answering less than ``max_age_s`` ago (being replaced):
+        worth waiting for, unlike one that is failed, still loading or gone for longer."""
+        now = time.monotonic()
+        return any(r.state == UNREACHABLE and now - r.unreachable_since < max_age_s for r in self.replicas)
 
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == READY]
@@ -135,7 +160,7 @@ class ReplicaPool:
             raise NoReplicaReady(self.summary())
         best = min(candidates, key=lambda r: (r.outstanding_tokens, r.last_used))
         best.last_used = next(self._stamp)
-        return Lease(best, prompt_tokens, output_tokens)
+        return Lease(best, prompt_tokens, output_tokens, self)
 
     def summary(self) -> str:
         """E.g. ``"0/2 replicas ready (replica 0: loading; replica 1: failed: ...)"``."""
@@ -143,11 +168,40 @@ class ReplicaPool:
         return f"{len(self.ready())}/{len(self.replicas)} replicas ready ({'; '.join(parts)})"
 
     def _drop_channel(self, replica: Replica) -> None:
-        if replica.channel is not None and self._close is not None:
-            self._close(replica.channel)
+        channel = replica.channel
+        if channel is not None and self._close is not None:
+            if self._holds.get(id(channel)):
+                self._retired[id(channel)] = channel   # running requests still read from it
+            else:
+                self._close(channel)
         replica.channel = replica.stub = None
 
-    def close(self) -> None:
-        """Close every channel."""
+    def _hold(self, channel) -> None:
+        if channel is not None:
+            self._holds[id(channel)] = self._holds.get(id(channel), 0) + 1
+
+    def _unhold(self, channel) -> None:
+        if channel is None:
+            return
+        left = self._holds.pop(id(channel), 0) - 1
+        if left > 0:
+            self._holds[id(channel)] = left
+            return
+        retired = self._retired.pop(id(channel), None)
+        if retired is not None and self._close is not None:
+            self._close(retired)
+
+    def detach_channels(self) -> list:
+        """Forget every channel, replaced ones included, and return them (to be closed)."""
+        channels = [r.channel for r in self.replicas if r.channel is not None] + list(self._retired.values())
         for replica in self.replicas:
-            self._drop_channel(replica)
+            replica.channel = replica.stub = None
+        self._holds.clear()
+        self._retired.clear()
+        return channels
+
+    def close(self) -> None:
+        """Close every channel, replaced ones included."""
+        for channel in self.detach_channels():
+            if self._close is not None:
+                self._close(channel)

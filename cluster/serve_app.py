@@ -8,8 +8,7 @@ serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
   which puts shard worker ``r`` in bundle ``r + 1`` of the replica's own placement group
   (``placement_group_bundles = [{"CPU": 1}] + [worker bundle] * tp``; bundle 0 holds the replica
   itself), so tensor parallelism needs no second, nested placement group. The engine loop and
-  the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop; the model loads
-  in the background, so the app deploys at once and reports "loading" until it is ready.
+  the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop.
 - ``OpenAIRouter`` (FastAPI ingress, the app of :func:`cluster.openai_app.build_openai_app`,
   built on the replica after the router core): ``/v1/chat/completions``, ``/v1/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/docs``, ``POST /admin/reload_weights``
@@ -27,6 +26,15 @@ check fail, and Serve replaces the replica, as it does when the replica process 
 
 One deployment per data-parallel replica (rather than ``num_replicas=N``) gives the router a
 handle per replica, hence every replica's gRPC address, without a registry actor.
+
+Rolling upgrades (``serve deploy`` of a changed config, hence RayService ``serveConfigV2`` edits):
+Serve counts a replica as running once its constructor returns, so both constructors return only
+when the replica can serve (the model loaded and the gRPC server up; the router's tokenizer
+loaded and its replicas polled once), and raise when it cannot: a config whose model cannot load
+never takes traffic. ``max_surge_percent=100`` makes Serve start the replacement before it stops
+the old replica, and keeps the old one when the new one fails to start. A stopping model replica
+drains: it refuses new requests (the router retries them on the replacement) and finishes its
+running ones within ``drain_timeout_s`` (``graceful_shutdown_timeout_s`` leaves room for it).
 """
 
 from __future__ import annotations
@@ -43,12 +51,14 @@ from ray import serve
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.replica_pool import FAILED, LOADING, READY, RECOVERING
+from shardserve.cluster.replica_pool import FAILED, READY, RECOVERING
 from shardserve.cluster.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.cluster.worker_group import GroupConfig
 from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS, check_model
 
 logger = logging.getLogger(__name__)
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_SHUTDOWN_MARGIN_S = 30.0   # after the drain: stop the gRPC server and the ranks
 
 
 @dataclass(slots=True)
@@ -61,18 +71,23 @@ class ServeArgs:
         tensor_parallel_size: shard workers per replica. data_parallel_size: replicas.
         tensor_split: relative share of each TP rank (uneven splits), or None.
         cpus_per_worker / gpus_per_worker: resources of each shard worker's bundle.
-        placement_strategy: ``PACK`` (one node) or ``SPREAD``.
+        placement_strategy: Ray placement strategy of a replica's group: ``PACK`` (fill few nodes),
+            ``SPREAD``, ``STRICT_PACK`` (one node) or ``STRICT_SPREAD`` (coordinator and every rank on
+            a node of its own). Ranks on different nodes use gloo (CPU) or NCCL (GPU).
         cpu_collective: ``shm`` / ``gloo`` / None (pick by placement). dispatch: ``calls`` or ``compiled``.
         grpc_port: replica i serves gRPC on ``grpc_port + i``; 0 = any free port.
         grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
         router_cpus: CPUs reserved for the router replica.
+        drain_timeout_s: how long a replaced replica may take to finish its running requests
+            (size it for the longest completion you serve); Serve's ``graceful_shutdown_timeout_s``.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager, recovery_timeout:
             engine settings (see EngineArgs). ``device="cuda"`` with ``gpus_per_worker=0`` reserves one
             GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``);
-            api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none.
+            api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
+            (a Kubernetes manifest sets neither and passes the key from a Secret in that variable).
         max_queued_requests: requests that may wait per replica before new ones get 429.
         request_timeout: seconds a request may take (None: no limit); past it, 408.
         grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
@@ -92,6 +107,7 @@ class ServeArgs:
     grpc_port: int = 0
     grpc_host: str = "127.0.0.1"
     router_cpus: float = 1.0
+    drain_timeout_s: float = 300.0
     block_size: int = 16
     kv_cache_gib: float = 1.0
     num_blocks: int | None = None
@@ -142,8 +158,14 @@ class ServeArgs:
         self.front_config().validate()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.placement_strategy not in ("PACK", "SPREAD"):
-            raise ValueError(f"placement_strategy must be PACK or SPREAD, got {self.placement_strategy!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                             f"got {self.placement_strategy!r}")
+        if self.gpus_per_worker and self.tensor_parallel_size > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: NCCL needs whole GPUs per rank "
+                             f"(a fractional GPU only works at tensor_parallel_size 1)")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.grpc_port <= 65535 - self.data_parallel_size:
             raise ValueError(f"grpc_port {self.grpc_port} leaves no room for {self.data_parallel_size} replicas")
 
@@ -196,48 +218,57 @@ class ServeArgs:
         return self.router_cpus + self.data_parallel_size * sum(b["CPU"] for b in self.replica_bundles())
 
 
-@serve.deployment(max_ongoing_requests=100, health_check_period_s=5, health_check_timeout_s=30)
+@serve.deployment(max_ongoing_requests=100, health_check_period_s=5, health_check_timeout_s=30,
+                  max_surge_percent=100)
 class ModelReplica:
     """One tensor-parallel model replica: coordinator, engine loop and gRPC server in this actor.
+
+    The constructor returns once the model is loaded and the gRPC server is up (Serve routes to
+    a replica, and retires the one it replaces, only after that), and raises when the model
+    cannot load (Serve then keeps the old version).
 
     Args:
         args: :class:`ServeArgs` as a dict.
         index: data-parallel rank (its gRPC port is ``grpc_port + index`` when a port is set).
+
+    Raises:
+        RuntimeError: the model could not load ("replica I failed to load: ..."); starting the gRPC
+            server raises its own error.
     """
 
     async def __init__(self, args: dict, index: int) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.args, self.index = ServeArgs.from_dict(args), index
-        self.coordinator = None
-        self.address: str | None = None
-        self.error: str | None = None
-        self._load_task = asyncio.get_running_loop().create_task(self._load())
-
-    async def _load(self) -> None:
         from shardserve.cluster.coordinator import Coordinator
 
-        coordinator = None
-        try:
-            # The constructor blocks on Ray calls (spawn ranks, load weights): keep the loop free.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.args, self.index = ServeArgs.from_dict(args), index
+        try:   # the constructor blocks on Ray calls (spawn ranks, load weights): keep the loop free
             coordinator = await asyncio.to_thread(Coordinator, self.args.engine_args(), self.args.group_config(),
                                                   self.args.front_config())
-            port = self.args.grpc_port + self.index if self.args.grpc_port else 0
-            self.address = await coordinator.start_grpc(port, self.args.grpc_host)
-            self.coordinator = coordinator
-            logger.info("model replica %d ready: gRPC on %s", self.index, self.address)
-        except Exception as exc:  # noqa: BLE001 - reported by status(); check_health fails the replica
-            logger.exception("model replica %d failed to load", self.index)
-            self.error = f"{type(exc).__name__}: {exc}"
-            if coordinator is not None:
-                await coordinator.shutdown()
+        except Exception as exc:
+            # Serve reports the last line; ``shardserve serve`` prints it as its one-line error.
+            raise RuntimeError(f"replica {index} failed to load: {type(exc).__name__}: {exc}") from exc
+        try:
+            self.address = await self._start_grpc(coordinator)
+        except Exception:
+            await coordinator.shutdown()
+            raise
+        self.coordinator = coordinator
+        logger.info("model replica %d ready: gRPC on %s", self.index, self.address)
+
+    async def _start_grpc(self, coordinator) -> str:
+        port = self.args.grpc_port + self.index if self.args.grpc_port else 0
+        try:
+            return await coordinator.start_grpc(port, self.args.grpc_host)
+        except RuntimeError:
+            if not port:
+                raise
+            # During a rolling upgrade the replica being replaced still holds the port until it
+            # has drained; the router learns the new address from status() either way.
+            logger.warning("gRPC port %d is taken (the replica being replaced?): using a free port", port)
+            return await coordinator.start_grpc(0, self.args.grpc_host)
 
     async def status(self) -> dict:
-        """``{"state": loading|ready|recovering|failed, "address", "error", "info"}`` (info: ModelInfo
-        dict)."""
-        if self.error:
-            return {"state": FAILED, "address": None, "error": self.error, "info": None}
-        if self.coordinator is None:
-            return {"state": LOADING, "address": None, "error": None, "info": None}
+        """``{"state": ready|recovering|failed, "address", "error", "info"}`` (info: ModelInfo dict)."""
         coordinator = self.coordinator
         info = coordinator.model_info()
         state = READY if info["healthy"] else RECOVERING if coordinator.recovering else FAILED
@@ -245,20 +276,21 @@ class ModelReplica:
                 "info": info}
 
     async def check_health(self) -> None:
-        """Serve's health check: a failed load, or a dead worker the replica could not repair in
-        place (``--recovery-timeout``), restarts this replica; a repair in progress does not.
+        """Serve's health check: a dead worker the replica could not repair in place
+        (``--recovery-timeout``) restarts this replica; a repair in progress does not.
 
         Raises:
             RuntimeError: the replica cannot serve.
         """
-        if self.error:
-            raise RuntimeError(f"model replica {self.index} failed to load: {self.error}")
-        if self.coordinator is not None:
-            self.coordinator.check_health()
+        self.coordinator.check_health()
 
     async def __del__(self) -> None:
-        if self.coordinator is not None:
-            await self.coordinator.shutdown()  # stops gRPC, the ranks, and frees shared memory
+        """Serve stops this replica (scale-down, upgrade, shutdown): finish the running requests
+        (new ones are refused and retried elsewhere by the router), then stop everything."""
+        coordinator = getattr(self, "coordinator", None)   # None: the constructor failed
+        if coordinator is not None:
+            await coordinator.drain(self.args.drain_timeout_s)
+            await coordinator.shutdown()  # stops gRPC, the ranks, and frees shared memory
 
 
 def _not_an_open_route_access_log(record: logging.LogRecord) -> bool:
@@ -281,15 +313,21 @@ def _load_tokenizer(model: str):
     return load_tokenizer(resolve_model(model))
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=1024, max_surge_percent=100)
 @serve.ingress()
 class OpenAIRouter:
     """The HTTP ingress (see :class:`cluster.openai_router.RouterCore` for the behaviour and
     :func:`cluster.openai_app.build_openai_app` for the routes and the API-key guard).
 
+    The constructor returns once the tokenizer is loaded and every replica was asked for its
+    status once, so a replacement router knows the serving replicas before it takes traffic.
+
     Args:
         args: :class:`ServeArgs` as a dict.
         replicas: deployment handles of ``ModelReplica0..N-1``.
+
+    Raises:
+        RuntimeError: the tokenizer could not be loaded.
     """
 
     async def __init__(self, args: dict, replicas: list) -> None:
@@ -301,6 +339,11 @@ class OpenAIRouter:
                                [functools.partial(_replica_status, handle) for handle in replicas],
                                functools.partial(_load_tokenizer, cfg.model), front=self.front)
         self.core.start()
+        try:
+            await self.core.wait_started()
+        except Exception:
+            await self.core.close()
+            raise
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called after ``__init__``: the app that answers HTTP on this replica."""
@@ -323,12 +366,15 @@ def build_app(args: dict | None = None) -> serve.Application:
     # Keys are read once, here (the environment of whoever builds the app), and passed to every deployment.
     cfg.api_key, cfg.api_key_file = load_api_keys(cfg.api_key, cfg.api_key_file), None
     raw = cfg.to_dict()
+    shutdown_s = cfg.drain_timeout_s + _SHUTDOWN_MARGIN_S   # Serve kills a stopping replica after this
     replicas = [
         ModelReplica.options(
             name=f"ModelReplica{i}", num_replicas=1, ray_actor_options={"num_cpus": 1.0},
             logging_config={"enable_access_log": False},  # the router polls status() every few seconds
             placement_group_bundles=cfg.replica_bundles(), placement_group_strategy=cfg.placement_strategy,
+            graceful_shutdown_timeout_s=shutdown_s,
         ).bind(raw, i)
         for i in range(cfg.data_parallel_size)
     ]
-    return OpenAIRouter.options(ray_actor_options={"num_cpus": cfg.router_cpus}).bind(raw, replicas)
+    return OpenAIRouter.options(ray_actor_options={"num_cpus": cfg.router_cpus},
+                                graceful_shutdown_timeout_s=shutdown_s).bind(raw, replicas)

@@ -3,7 +3,8 @@
 Placement: one bundle per rank. Inside a placement group that already exists (a Serve replica's,
 or the one ``serve-grpc`` makes for the coordinator), rank i takes bundle ``i + bundle_offset``;
 we never create a nested group there. Otherwise a group is made here (PACK on one node by
-default, SPREAD allowed). Dispatch: a Ray Compiled Graph (shared-memory channels, no task round
+default; SPREAD, STRICT_PACK and STRICT_SPREAD allowed). Ranks on different Ray nodes always use
+the network collective (gloo on CPU, NCCL on GPU), never the shared-memory one. Dispatch: a Ray Compiled Graph (shared-memory channels, no task round
 trip per step) or plain actor calls; both send the same StepPlan to every rank at once.
 """
 
@@ -42,7 +43,7 @@ class GroupConfig:
     tensor_parallel_size: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
-    strategy: str = "PACK"              # PACK (one node) or SPREAD
+    strategy: str = "PACK"              # Ray placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
     dispatch: str = "compiled"          # "compiled" (Ray Compiled Graph) or "calls"
     device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
@@ -128,10 +129,11 @@ class WorkerGroup:
         tp = self.config.tensor_parallel_size
         hf_config, runner_config = self.hf_config, self.runner_config
         max_tokens, max_seqs = self._max_sizes
+        # (node id, ip) of each rank, in rank order: picks the collective, reported by ModelInfo
+        nodes = self.rank_nodes = ray.get([w.node_address.remote() for w in self.workers], timeout=timeout_s)
         if tp == 1:
             ray.get(self.workers[0].init_group.remote("none", {}), timeout=timeout_s)
             return "none"
-        nodes = ray.get([w.node_address.remote() for w in self.workers], timeout=timeout_s)
         same_node = len({node for node, _ in nodes}) == 1
         device = "cuda" if self.config.gpus_per_worker and self.config.device != "cpu" else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)

@@ -125,7 +125,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,11 @@ class ModelInfoResponse(_message.Message):
     ADMISSION_PAUSED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODE_IPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -178,7 +183,12 @@ class ModelInfoResponse(_message.Message):
     admission_paused: bool
     prefix_cache_hit_tokens: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerProcess]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ...) -> None: ...
+    coordinator_node: str
+    rank_nodes: _containers.RepeatedScalarFieldContainer[str]
+    rank_node_ips: _containers.RepeatedScalarFieldContainer[str]
+    num_nodes: int
+    draining: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class WorkerProcess(_message.Message):
     __slots__ = ("role", "rank", "pid", "bundle_index", "weight_loads")

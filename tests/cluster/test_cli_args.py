@@ -16,7 +16,7 @@ from shardserve.cluster import cli
 from shardserve.cluster.security import FrontConfig, bearer_matches, is_loopback, load_api_keys, warn_if_exposed
 
 # A numeric flag names its unit with one of these words (or is listed as unitless).
-UNITS = ("token", "GiB", "second", "request", "sequence", "rank", "CPU", "GPU", "port", "replica", "keys")
+UNITS = ("token", "GiB", "second", "request", "sequence", "rank", "CPU", "GPU", "port", "replica", "keys", "pod")
 UNITLESS = {"--seed", "--temperature", "--top-p", "--tensor-split"}
 
 

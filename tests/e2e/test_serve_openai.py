@@ -48,14 +48,17 @@ def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
 
 
 def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dict]]:
-    """Poll ``/health`` until every replica is ready; returns the answers seen before (503 while
-    nothing serves, 200 once some replica does)."""
+    """Poll ``/health`` until every replica is ready; returns the router's answers seen before (503
+    while nothing serves, 200 once some replica does)."""
     seen, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            status, _, raw = http(base + "/health", timeout=10)
+            status, content_type, raw = http(base + "/health", timeout=10)
         except OSError:
             time.sleep(0.2)  # the HTTP proxy is not listening yet
+            continue
+        if "json" not in content_type:
+            time.sleep(0.2)  # the proxy answers, the router is not deployed yet
             continue
         body = json.loads(raw)
         if status == 200 and all(r["state"] == "ready" for r in body["replicas"]):
@@ -95,12 +98,15 @@ def server(ray_cluster):
     groups_before = set(created_placement_groups(ray_cluster))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": MODEL, "tensor_parallel_size": 2, "data_parallel_size": 2,
-                             "cpus_per_worker": 1, "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN,
-                             "grpc_host": "127.0.0.1", "grpc_port": 0}),
-                  name="shardserve-test", route_prefix="/")
+        app = build_app({"model": MODEL, "tensor_parallel_size": 2, "data_parallel_size": 2, "cpus_per_worker": 1,
+                         "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN, "grpc_host": "127.0.0.1",
+                         "grpc_port": 0})
+        # serve.run returns once every replica has loaded; watch /health meanwhile
+        deploying = ThreadPoolExecutor(1).submit(serve.run, app, name="shardserve-test", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        yield Server(base, wait_until_serving(base), groups_before)
+        before_ready = wait_until_serving(base)
+        deploying.result(timeout=120)
+        yield Server(base, before_ready, groups_before)
     finally:
         serve.shutdown()
 

@@ -1,0 +1,329 @@
+"""``shardserve manifest``: the KubeRay ``RayService`` that runs the app ``shardserve serve`` would
+run, made from the same arguments, so Kubernetes manifests come from one source of truth
+(:class:`cluster.serve_app.ServeArgs`) instead of being copied by hand.
+
+What it writes (one document, ``ray.io/v1`` ``RayService``):
+
+- ``serveConfigV2``: the Serve config of ``build_app`` with the ``ServeArgs`` that differ from their
+  defaults (plus the layout ones, always), HTTP on ``0.0.0.0``. Changing it later is an in-place
+  ``serve deploy``: new replicas start before old ones stop (``serve_app``'s rolling upgrade).
+- ``rayClusterConfig``: a head pod that runs no model work (``num-cpus: 0``: the GCS, the Serve
+  controller and the dashboard KubeRay talks to) and one worker group whose pods hold
+  ``ranks_per_pod`` shard workers each plus room for a coordinator and the router. A replica whose
+  ranks do not fit one pod spans several (e.g. TP=16 on two pods of 8 GPUs); its ranks then use the
+  network collective (NCCL on GPU, gloo on CPU). Pods get a memory-backed ``/dev/shm`` (NCCL and the
+  CPU shared-memory all-reduce need more than a container's 64 MiB), NCCL's environment on GPUs,
+  and a readiness probe on ``/health``, so only pods whose Serve proxy reaches a loaded model
+  take traffic (pods without a Serve replica stay unready, as with KubeRay's own probe). Surge pods
+  (in-tree autoscaling up to ``surge_pods`` more) give an upgraded replica room to load before the
+  old one stops.
+- ``serveService``: the OpenAI API Service; KubeRay owns its selector, so it follows the active
+  cluster through a ``NewCluster`` upgrade (a ``rayClusterConfig`` change: a whole new cluster,
+  traffic moves once its models are loaded, the old one is deleted after ``drain_timeout_s``).
+- Ray's token authentication through KubeRay's ``authOptions``; the API key, when asked for, comes
+  from a Secret as ``SHARDSERVE_API_KEY`` (never written into the manifest). TLS files come from a
+  ``kubernetes.io/tls`` Secret mounted at ``/etc/shardserve/tls``; ``--ssl-certfile/--ssl-keyfile``
+  (HTTPS, and the readiness probe then speaks HTTPS) and ``--grpc-tls-cert/--grpc-tls-key`` name
+  files inside the pods, so they are written as given and not looked for on this machine.
+
+Bad layouts (more GPUs than the pods hold, fractional GPUs with NCCL, a name Kubernetes refuses)
+raise :class:`LayoutError` before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from shardserve.cluster.security import check_tls_pair
+from shardserve.cluster.serve_app import ServeArgs
+
+RAY_VERSION = "2.60.0"
+_ALWAYS_ARGS = ("model", "tensor_parallel_size", "data_parallel_size", "cpus_per_worker", "gpus_per_worker",
+                "placement_strategy", "grpc_host", "grpc_port", "drain_timeout_s")
+_NCCL_ENV = {"NCCL_SOCKET_IFNAME": "eth0",   # the pod network interface carries NCCL's bootstrap/sockets
+             "NCCL_DEBUG": "WARN"}
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")   # DNS-1035 label (KubeRay's rule for the name)
+_MAX_NAME = 47                                           # KubeRay appends 6 characters for the cluster
+TLS_MOUNT = "/etc/shardserve/tls"                        # where --tls-secret is mounted
+
+
+class LayoutError(ValueError):
+    """The requested pods cannot hold the replicas, or a manifest field is invalid (one line)."""
+
+
+@dataclass(slots=True)
+class PodLayout:
+    """Kubernetes-side settings (everything else comes from :class:`ServeArgs`).
+
+    Attributes:
+        name: RayService name (DNS-1035 label, at most 47 characters).
+        image: container image with shardserve installed (``Dockerfile`` / ``Dockerfile.gpu``).
+        worker_pods: worker pods serving (default: the fewest that hold every replica).
+        gpus_per_pod: GPUs of each worker pod (default: one replica's ranks, at most 8).
+        memory_per_pod, head_memory: memory of a worker pod / the head pod (Kubernetes quantity).
+        shm_size: size of each pod's memory-backed ``/dev/shm`` (default 1Gi, 64Gi with GPUs).
+        surge_pods: extra worker pods the autoscaler may add while an upgraded replica loads
+            (default: the pods of one replica; 0 pins the size, then an upgrade waits for room).
+        api_key_secret: Secret holding the API key (``NAME`` with key ``api-key``, or ``NAME:KEY``).
+        model_pvc: PersistentVolumeClaim with the weights, mounted read-only at ``model_mount``.
+        tls_secret: Secret with TLS files, mounted read-only at :data:`TLS_MOUNT`.
+        ssl_certfile / ssl_keyfile: HTTPS files of Serve's proxy (paths inside the pods).
+        upgrade_strategy: RayService ``upgradeStrategy.type`` for ``rayClusterConfig`` changes.
+        service_type: type of the OpenAI API Service.
+        http_port: Serve's HTTP port. env: extra environment of every Ray container.
+    """
+
+    name: str = "shardserve"
+    image: str = "shardserve:0.1.0"
+    worker_pods: int | None = None
+    gpus_per_pod: int | None = None
+    memory_per_pod: str = "8Gi"
+    head_memory: str = "4Gi"
+    shm_size: str | None = None
+    surge_pods: int | None = None
+    api_key_secret: str | None = None
+    model_pvc: str | None = None
+    model_mount: str = "/models"
+    tls_secret: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    upgrade_strategy: str = "NewCluster"
+    service_type: str = "ClusterIP"
+    http_port: int = 8000
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Fit:
+    """How the replicas sit on the worker pods."""
+
+    workers_per_replica: int    # shard workers (+ the MTP draft worker) of one replica
+    ranks_per_pod: int          # shard workers one pod holds
+    pods_per_replica: int       # worker pods one replica spans
+    worker_pods: int            # worker pods serving
+    surge_pods: int             # extra pods the autoscaler may add during an upgrade
+    cpus_per_pod: int           # logical CPUs Ray sees on a worker pod
+    gpus_per_pod: int
+
+
+def fit(args: ServeArgs, layout: PodLayout) -> Fit:
+    """Place ``data_parallel_size`` replicas of ``1 + workers`` bundles on worker pods.
+
+    Each pod holds ``ranks_per_pod`` worker bundles plus spare CPUs for one coordinator (bundle 0,
+    ``{"CPU": 1}``) and the router; the head runs no model work.
+
+    Raises:
+        LayoutError: the pods cannot hold the replicas, or the GPU settings cannot work.
+    """
+    _validate(args, layout)
+    workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    gpu = args.worker_gpus()
+    if gpu:
+        gpus_per_pod = layout.gpus_per_pod or min(8, math.ceil(workers * gpu))
+        per_pod = int(gpus_per_pod // gpu)
+        if per_pod == 0:
+            raise LayoutError(f"a shard worker needs {gpu:g} GPUs but a pod has {gpus_per_pod}")
+    else:
+        if layout.gpus_per_pod:
+            raise LayoutError(f"--gpus-per-pod {layout.gpus_per_pod} with --gpus-per-worker 0: the ranks "
+                              "would not use the GPUs")
+        gpus_per_pod, per_pod = 0, workers
+    strict_spread = args.placement_strategy == "STRICT_SPREAD"
+    if strict_spread:
+        per_pod = 1              # one bundle of a replica per node; its coordinator needs one more pod
+    pods_per_replica = math.ceil(workers / per_pod) + (1 if strict_spread else 0)
+    needed = max(pods_per_replica, math.ceil(args.data_parallel_size * workers / per_pod))
+    pods = layout.worker_pods or needed
+    if args.placement_strategy == "STRICT_PACK" and per_pod < workers:
+        raise LayoutError(f"STRICT_PACK puts a replica's {workers} workers on one pod, which holds {per_pod}")
+    if pods < needed:
+        what = f"{gpus_per_pod} GPUs" if gpu else f"{per_pod} workers"
+        raise LayoutError(f"layout does not fit: TP={args.tensor_parallel_size} x {args.data_parallel_size} "
+                          f"replica(s) need {needed} worker pod(s) of {what}, got {pods}"
+                          + (f" ({args.data_parallel_size * workers * gpu:g} GPUs needed, "
+                             f"{pods * gpus_per_pod} in the pods)" if gpu else ""))
+    spare = math.ceil(per_pod / workers) + math.ceil(args.router_cpus)   # coordinators and the router
+    surge = pods_per_replica if layout.surge_pods is None else layout.surge_pods
+    if surge < 0:
+        raise LayoutError(f"--surge-pods must be >= 0, got {surge}")
+    return Fit(workers, per_pod, pods_per_replica, pods, surge,
+               math.ceil(per_pod * args.cpus_per_worker + spare), int(gpus_per_pod))
+
+
+def _validate(args: ServeArgs, layout: PodLayout) -> None:
+    """``ServeArgs.validate`` minus the TLS files' presence (they are paths inside the pods).
+
+    Raises:
+        LayoutError: an invalid setting, or a certificate without its key (or the reverse).
+    """
+    try:
+        check_tls_pair(args.grpc_tls_cert, args.grpc_tls_key, "--grpc-tls-cert", "--grpc-tls-key")
+        check_tls_pair(layout.ssl_certfile, layout.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
+    except FileNotFoundError:
+        pass   # both given: the files live in the pods
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
+    try:
+        dataclasses.replace(args, grpc_tls_cert=None, grpc_tls_key=None).validate()
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
+
+
+def app_args(args: ServeArgs) -> dict:
+    """The ``args:`` of the Serve application: the layout fields and whatever differs from the
+    defaults (so a field added to ``ServeArgs`` later does not change existing manifests)."""
+    defaults = ServeArgs()
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs)
+            if f.name not in ("api_key", "api_key_file") and (f.name in _ALWAYS_ARGS or getattr(args, f.name) != getattr(defaults, f.name))}
+
+
+def serve_config(args: ServeArgs, layout: PodLayout) -> dict:
+    """The Serve config (``serveConfigV2``) deploying ``build_app`` with ``args``."""
+    http_options: dict = {"host": "0.0.0.0", "port": layout.http_port}
+    if layout.ssl_certfile:
+        http_options.update(ssl_certfile=layout.ssl_certfile, ssl_keyfile=layout.ssl_keyfile)
+    return {"proxy_location": "EveryNode",
+            "http_options": http_options,
+            "applications": [{"name": "shardserve", "route_prefix": "/",
+                              "import_path": "shardserve.cluster.serve_app:build_app", "args": app_args(args)}]}
+
+
+def _env(args: ServeArgs, layout: PodLayout) -> dict:
+    """``{"env": [...]}`` of a Ray container (empty when there is nothing to set)."""
+    env = dict(_NCCL_ENV) if args.worker_gpus() else {}
+    env.update(layout.env)
+    out = [{"name": key, "value": value} for key, value in env.items()]
+    if layout.api_key_secret:
+        name, _, key = layout.api_key_secret.partition(":")
+        out.append({"name": "SHARDSERVE_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": name, "key": key or "api-key"}}})
+    return {"env": out} if out else {}
+
+
+def _volumes(layout: PodLayout, shm_size: str) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}]
+    mounts = [{"name": "shm", "mountPath": "/dev/shm"}]
+    if layout.model_pvc:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": layout.model_pvc, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": layout.model_mount, "readOnly": True})
+    if layout.tls_secret:
+        volumes.append({"name": "tls", "secret": {"secretName": layout.tls_secret}})
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _head(args: ServeArgs, layout: PodLayout) -> dict:
+    volumes, mounts = _volumes(layout, "1Gi")
+    resources = {"cpu": "2", "memory": layout.head_memory}
+    container = {
+        "name": "ray-head", "image": layout.image, **_env(args, layout),
+        "ports": [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
+                  {"containerPort": 10001, "name": "client"}, {"containerPort": layout.http_port, "name": "serve"}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": mounts}
+    # num-cpus 0: no replica, router or rank lands on the head (KubeRay deploys the app once the head
+    # is ready, so the head keeps KubeRay's own probes; traffic goes to the worker pods).
+    return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+            "template": {"spec": {"containers": [container], "volumes": volumes}}}
+
+
+def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
+    shm = layout.shm_size or ("64Gi" if args.worker_gpus() else "1Gi")
+    volumes, mounts = _volumes(layout, shm)
+    resources = {"cpu": str(placed.cpus_per_pod), "memory": layout.memory_per_pod}
+    if placed.gpus_per_pod:
+        resources["nvidia.com/gpu"] = str(placed.gpus_per_pod)
+    container = {
+        "name": "ray-worker", "image": layout.image, **_env(args, layout),
+        "ports": [{"containerPort": layout.http_port, "name": "serve"}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": mounts,
+        # Ready once this pod's Serve proxy reaches a loaded model (503 while loading); pods that
+        # hold no Serve replica run no proxy and stay unready, as with KubeRay's default probe.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": layout.http_port,
+                                       **({"scheme": "HTTPS"} if layout.ssl_certfile else {})},
+                           "periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 2}}
+    spec: dict = {"containers": [container], "volumes": volumes}
+    if placed.gpus_per_pod:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    group = "gpu-workers" if placed.gpus_per_pod else "cpu-workers"
+    return {"groupName": group, "replicas": placed.worker_pods, "minReplicas": placed.worker_pods,
+            "maxReplicas": placed.worker_pods + placed.surge_pods,
+            "rayStartParams": {"num-cpus": str(placed.cpus_per_pod)}, "template": {"spec": spec}}
+
+
+def rayservice(args: ServeArgs, layout: PodLayout) -> dict:
+    """The ``RayService`` document.
+
+    Raises:
+        LayoutError: see :func:`fit`; also a bad name or an API key given in clear.
+    """
+    if not _NAME.match(layout.name) or len(layout.name) > _MAX_NAME:
+        raise LayoutError(f"--name {layout.name!r}: a RayService name is a DNS-1035 label of at most "
+                          f"{_MAX_NAME} characters (lowercase letters, digits, '-')")
+    if args.api_key:
+        raise LayoutError("the API key must not be written into a manifest: put it in a Secret and pass "
+                          "--api-key-secret NAME")
+    placed = fit(args, layout)
+    cluster: dict = {"rayVersion": RAY_VERSION, "authOptions": {"mode": "token"},
+                     "headGroupSpec": _head(args, layout),
+                     "workerGroupSpecs": [_worker_group(args, layout, placed)]}
+    if placed.surge_pods:
+        cluster["enableInTreeAutoscaling"] = True
+        cluster["autoscalerOptions"] = {"idleTimeoutSeconds": 120, "upscalingMode": "Default"}
+    spec = {
+        "upgradeStrategy": {"type": layout.upgrade_strategy},
+        # a replaced cluster stays up while its running requests finish
+        "rayClusterDeletionDelaySeconds": int(math.ceil(args.drain_timeout_s)),
+        "excludeHeadPodFromServeSvc": True,
+        "serveService": {"metadata": {"name": f"{layout.name}-openai"},
+                         "spec": {"type": layout.service_type,
+                                  "ports": [{"name": "serve", "port": layout.http_port,
+                                             "targetPort": layout.http_port}]}},
+        "serveConfigV2": yaml.safe_dump(serve_config(args, layout), sort_keys=False),
+        "rayClusterConfig": cluster}
+    return {"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": layout.name}, "spec": spec}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (the embedded Serve config stays readable)."""
+
+
+_Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+
+
+def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
+    """The manifest as YAML text, headed by ``command`` (which regenerates it) and a summary.
+
+    Raises:
+        LayoutError: see :func:`rayservice`.
+    """
+    doc = rayservice(args, layout)
+    placed = fit(args, layout)
+    gpu = f", {args.worker_gpus():g} GPU" if args.worker_gpus() else ""
+    lines = [
+        "# Generated by `shardserve manifest` from the arguments of `shardserve serve`; do not edit, regenerate:",
+        f"#   {command}",
+        f"# {args.data_parallel_size} replica(s) of {args.model} at TP={args.tensor_parallel_size} "
+        f"({args.placement_strategy}); each rank {args.cpus_per_worker:g} CPU{gpu}.",
+        f"# {placed.worker_pods} worker pod(s) of {placed.ranks_per_pod} rank(s), {placed.cpus_per_pod} CPUs"
+        + (f", {placed.gpus_per_pod} GPUs" if placed.gpus_per_pod else "")
+        + f"; one replica spans {placed.pods_per_replica} pod(s); up to {placed.surge_pods} surge pod(s) "
+        "while an upgraded replica loads.",
+        f"# OpenAI API: Service {layout.name}-openai, port {layout.http_port}. Needs the KubeRay operator "
+        "(ray.io/v1 CRDs with authOptions).",
+    ]
+    if layout.api_key_secret:
+        secret = layout.api_key_secret.partition(":")
+        lines.append(f"# API key: kubectl create secret generic {secret[0]} --from-literal={secret[2] or 'api-key'}=...")
+    if layout.tls_secret:
+        lines.append(f"# TLS files: kubectl create secret tls {layout.tls_secret} --cert=tls.crt --key=tls.key "
+                     f"(mounted at {TLS_MOUNT})")
+    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    return "\n".join(lines) + "\n" + body
