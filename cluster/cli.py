@@ -411,11 +411,11 @@ def _deploy_failure(app_name: str, exc: Exception) -> str:
     try:
         deployments = serve.status().applications[app_name].deployments
     except Exception:  # noqa: BLE001 - the app is gone; the error is all we know
-        return _root_cause(exc)
+        return root_cause(exc)
     for deployment in deployments.values():
         if deployment.status not in ("HEALTHY", "UPDATING") and deployment.message:
-            return _root_cause(RuntimeError(deployment.message))
-    return _root_cause(exc)
+            return root_cause(RuntimeError(deployment.message))
+    return root_cause(exc)
 
 
 def _manifest(ns: argparse.Namespace) -> int:
