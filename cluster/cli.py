@@ -26,6 +26,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsa-top-k", type=int, default=None, help="keys per query under DSA (default: index_topk)")
     parser.add_argument("--indexer-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="DSA indexer-key cache: the model dtype, or fp8 keys with a scale per 128 dims")
+    parser.add_argument("--dsa-sink", type=int, default=0, metavar="N",
+                        help="keep the first N positions of each sequence in every DSA top-k (attention sink; "
+                             "0 = plain top-k)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
                         help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
                              "(0 = off)")
@@ -60,7 +63,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
-                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens)
+                      indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
+                      speculative_tokens=ns.speculative_tokens)
 
 
 def _group_config(ns: argparse.Namespace):
@@ -143,7 +147,7 @@ def _serve_args(ns: argparse.Namespace):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        speculative_tokens=ns.speculative_tokens)
+        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:

@@ -59,7 +59,7 @@ class ServeArgs:
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            speculative_tokens: engine settings (see EngineArgs).
+            dsa_sink, speculative_tokens: engine settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -86,6 +86,7 @@ class ServeArgs:
     dsa: bool | None = None
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
+    dsa_sink: int = 0
     speculative_tokens: int = 0
 
     @classmethod
@@ -124,7 +125,7 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          speculative_tokens=self.speculative_tokens)
+                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
