@@ -37,7 +37,7 @@ from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.openai_router import RouterCore
 from shardserve.cluster.replica_pool import FAILED, LOADING, READY
 from shardserve.cluster.worker_group import GroupConfig
-from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
+from shardserve.workers.model_source import DEFAULT_MODEL, DEMO_MODELS, known_model_names
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class ServeArgs:
 
     def served_names(self) -> list[str]:
         """Names a request's ``model`` may use; the first is reported."""
-        if self.model in KNOWN_MODELS:
+        if self.model in known_model_names():
             own = self.model
         else:
             path = Path(self.model)
@@ -291,8 +291,12 @@ def build_app(args: dict | None = None) -> serve.Application:
         FileNotFoundError: the model is neither a known name nor an existing path.
     """
     cfg = ServeArgs.from_dict(args)
-    if cfg.model not in KNOWN_MODELS and not Path(cfg.model).expanduser().exists():
-        raise FileNotFoundError(f"model {cfg.model!r}: not a known model name ({', '.join(KNOWN_MODELS)}), "
+    if cfg.model in DEMO_MODELS:
+        from shardserve.workers.model_source import resolve_model
+
+        resolve_model(cfg.model)          # a local folder check: says how to train a missing demo model
+    elif cfg.model not in known_model_names() and not Path(cfg.model).expanduser().exists():
+        raise FileNotFoundError(f"model {cfg.model!r}: not a known model name ({', '.join(known_model_names())}), "
                                 "a .gguf file or a checkpoint folder")
     raw = cfg.to_dict()
     replicas = [
