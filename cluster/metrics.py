@@ -1,15 +1,58 @@
 """Prometheus metrics of the OpenAI front (``GET /metrics``), in a registry of their own.
 
 Counters and histograms are recorded by the router as requests pass; the replica gauges (queue
-depth, free KV blocks) are refreshed from each replica's ModelInfo right before a scrape.
+depth, free KV blocks) and the replicas' speculative-decoding counters are refreshed from each
+replica's ModelInfo right before a scrape.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+# ModelInfo fields the replica metrics read (gauges, then MTP speculative decoding).
+REPLICA_INFO_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "speculative_tokens",
+                       "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate",
+                       "spec_mean_acceptance_length")
+
+
+def replica_info(model_info) -> dict:
+    """The fields of a ``ModelInfoResponse`` (or its dict) that :meth:`ServeMetrics.set_replica` reads."""
+    get = model_info.get if isinstance(model_info, dict) else lambda name: getattr(model_info, name)
+    return {name: list(get(name)) if name == "spec_acceptance_rate" else get(name) for name in REPLICA_INFO_FIELDS}
+
+
+class _SpecDecodeCollector:
+    """Per-replica speculative-decoding counters (vLLM's ``spec_decode`` metrics), from the last
+    ModelInfo of each replica that speculates; the names match the coordinator's own exposition
+    (:meth:`cluster.speculative.SpecStats.prometheus_text`) plus a ``replica`` label."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, dict] = {}
+
+    def collect(self):
+        counters = [("spec_drafts", "Sequence-steps that verified draft tokens", "spec_num_drafts"),
+                    ("spec_draft_tokens", "Draft tokens verified by the target", "spec_num_draft_tokens"),
+                    ("spec_accepted_tokens", "Draft tokens accepted", "spec_num_accepted_tokens")]
+        for name, doc, field in counters:
+            family = CounterMetricFamily(f"shardserve_{name}", doc, labels=["replica"])
+            for label, info in self.replicas.items():
+                family.add_metric([label], info[field])
+            yield family
+        rate = GaugeMetricFamily("shardserve_spec_acceptance_rate", "Acceptance rate by draft position",
+                                 labels=["replica", "position"])
+        length = GaugeMetricFamily("shardserve_spec_mean_acceptance_length",
+                                   "Tokens emitted per verifying sequence-step (accepted + 1)", labels=["replica"])
+        for label, info in self.replicas.items():
+            for pos, value in enumerate(info["spec_acceptance_rate"]):
+                rate.add_metric([label, str(pos + 1)], value)
+            length.add_metric([label], info["spec_mean_acceptance_length"])
+        yield rate
+        yield length
 
 
 class ServeMetrics:
@@ -20,7 +63,9 @@ class ServeMetrics:
     ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``, ``requests_in_flight``.
     Per replica (label ``replica``): ``requests_routed_total``, ``outstanding_tokens``,
     ``num_requests_running``, ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``,
-    ``kv_cache_blocks``, ``replica_ready``.
+    ``kv_cache_blocks``, ``replica_ready``; for replicas with MTP speculation on (vLLM's spec-decode
+    metrics): ``spec_drafts_total``, ``spec_draft_tokens_total``, ``spec_accepted_tokens_total``,
+    ``spec_acceptance_rate{position}``, ``spec_mean_acceptance_length``.
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -51,6 +96,8 @@ class ServeMetrics:
         self.free_blocks = Gauge("shardserve_kv_cache_free_blocks", "Free KV cache blocks", ["replica"], registry=reg)
         self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks", ["replica"], registry=reg)
         self.ready = Gauge("shardserve_replica_ready", "1 when the replica serves", ["replica"], registry=reg)
+        self.spec = _SpecDecodeCollector()
+        reg.register(self.spec)
 
     def observe_choice(self, started: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         """Record one finished choice: TTFT from the request's arrival, TPOT over its later tokens."""
@@ -60,7 +107,7 @@ class ServeMetrics:
                 self.tpot.observe((finished - first_token) / (num_tokens - 1))
 
     def set_replica(self, index: int, ready: bool, outstanding: int, info: dict | None) -> None:
-        """Refresh one replica's gauges (``info``: its ModelInfo as a dict, None when unknown)."""
+        """Refresh one replica's gauges (``info``: :func:`replica_info` of its ModelInfo, None when unknown)."""
         label = str(index)
         self.ready.labels(label).set(1 if ready else 0)
         self.outstanding.labels(label).set(outstanding)
@@ -69,6 +116,8 @@ class ServeMetrics:
             self.waiting.labels(label).set(info.get("num_waiting", 0))
             self.free_blocks.labels(label).set(info.get("num_free_blocks", 0))
             self.total_blocks.labels(label).set(info.get("num_blocks", 0))
+            if info.get("speculative_tokens"):
+                self.spec.replicas[label] = info
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

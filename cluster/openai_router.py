@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.cluster.metrics import ServeMetrics
+from shardserve.cluster.metrics import ServeMetrics, replica_info
 from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, parse_chat, parse_completion, response_body, unavailable, usage_chunk)
@@ -34,7 +34,6 @@ from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
-_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")
 
 
 def _connect(address: str) -> tuple:
@@ -159,7 +158,7 @@ class RouterCore:
             if replica.stub is not None:
                 try:
                     msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
-                    info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
+                    info = replica_info(msg)
                 except grpc.aio.AioRpcError:
                     info = None
             self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)
