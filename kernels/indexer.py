@@ -192,17 +192,19 @@ def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
             of the lowest-ranked keys, so a row still keeps ``k`` keys. 0 = plain top-k.
 
     Returns:
-        ``[T, topk]`` int32 key positions.
+        ``[T, topk]`` int32 key positions (with a sink: the sink positions first, ``-1`` where a
+        row does not see them yet, then the best other keys); ``-1`` padding trails.
     """
     num_tokens, width = logits.shape
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=logits.device)
-    count = min(topk, width)
-    if sink > 0 and count > 0:
-        head = logits[:, :min(sink, width)]
-        logits = torch.cat((torch.where(head == float("-inf"), head, float("inf")), logits[:, head.shape[1]:]), -1)
+    forced = min(sink, width, topk)                 # the sink columns, kept where the row sees them
+    if forced:
+        head = torch.arange(forced, dtype=torch.int32, device=logits.device).expand(num_tokens, forced)
+        out[:, :forced] = torch.where(logits[:, :forced] == float("-inf"), -1, head)
+    count = min(topk, width) - forced               # the best of the other columns fill the rest
     if count > 0:
-        values, idx = logits.topk(count, dim=-1, sorted=True)
-        out[:, :count] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+        values, idx = logits[:, forced:].topk(count, dim=-1, sorted=True)
+        out[:, forced:forced + count] = torch.where(values == float("-inf"), -1, idx + forced).to(torch.int32)
     return out
 
 
