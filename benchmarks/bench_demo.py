@@ -1,6 +1,7 @@
 """DSA and MTP measured on real weights: the trained ``shakespeare-dsa-mtp`` demo model through shardserve.
 
-Prints three tables (train the model first: ``python benchmarks/train_demo.py``):
+Prints whether its greedy tokens equal transformers' with DSA active, then three tables (train the
+model first: ``python benchmarks/train_demo.py``):
 
 1. Validation perplexity (the held-out last 10% of tinyshakespeare, non-overlapping windows,
    every position scored) with dense attention (``--no-dsa``) and DSA at ``--dsa-top-k`` 64 and 256,
@@ -99,6 +100,22 @@ def speed_table(path: Path, prompts: list[list[int]], new_tokens: int) -> None:
                   f" | {row['tokens_per_forward']:>11.2f} | {row['tokens'] == base['tokens']}", flush=True)
 
 
+def transformers_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32) -> None:
+    """Greedy tokens of transformers' ``DeepseekV32ForCausalLM`` vs shardserve's, DSA active."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32).eval()
+    llm = LLM(EngineArgs(model=str(path), block_size=BLOCK_SIZE, num_blocks=len(prompts) * 40 + 8), progress=False)
+    ours = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    with torch.no_grad():
+        theirs = [hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    same = [d.token_ids == t for d, t in zip(ours, theirs)]
+    print(f"
+Greedy tokens equal to transformers' (DSA top-k {hf.config.index_topk}, {len(prompts)} prompts of "
+          f"{len(prompts[0])} tokens, {new_tokens} new): {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL_NAME, help="demo model name or checkpoint folder")
@@ -116,6 +133,7 @@ def main() -> None:
     _, validation = split_tokens(encode_corpus(tokenizer, args.data))
     started = time.perf_counter()
     print(f"{files.name} ({files.path}); validation: {validation.numel()} tokens")
+    transformers_parity(files.path, [validation[i * 4096:i * 4096 + 512].tolist() for i in range(2)])
     perplexity_table(files.path, validation, args.contexts, args.max_windows)
     prompts = [validation[i * 512:i * 512 + 64].tolist() for i in range(8)]
     acceptance_table(files.path, prompts, args.new_tokens)

@@ -1,7 +1,13 @@
 """The trained demo model (``benchmarks/train_demo.py``) on a short run of a few steps: transformers
 and shardserve give the same greedy tokens on it (speculative decoding with its MTP layer too), the
 checkpoint holds the MTP layer in DeepSeek's layout, training is deterministic for a seed, and the
-name ``shakespeare-dsa-mtp`` resolves to the cache folder or says how to train it."""
+name ``shakespeare-dsa-mtp`` resolves to the cache folder or says how to train it.
+
+The greedy comparison stays within the top-k (64 keys), where the indexer keeps every key: after a
+few warm-up steps the indexer's scores are near-ties that float summation order decides, so a
+DSA-active comparison would test rounding. ``bench_demo.py`` compares with DSA active on the fully
+trained model; ``test_deepseek_engine.py`` does on random checkpoints with well-spread scores.
+"""
 
 from __future__ import annotations
 
@@ -25,13 +31,12 @@ import train_demo  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NAME = "shakespeare-dsa-mtp"
-TOP_K = 16
+TOP_K = 64
 # A few steps of each stage on short sequences: minutes become seconds, every code path still runs.
 QUICK = ["--dense-steps", "3", "--long-steps", "1", "--warmup-steps", "2", "--sparse-steps", "2",
          "--seq-len", "64", "--batch-size", "2", "--long-len", "96", "--long-batch-size", "1",
          "--sparse-len", "80", "--sparse-batch-size", "1", "--top-k", str(TOP_K), "--threads", "1"]
-PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
-          "Arise, fair sun, and kill the envious moon,\n")
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def test_transformers_and_shardserve_give_the_same_greedy_tokens(cache):
     hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32).eval()
     llm = LLM(EngineArgs(model=str(path), kv_cache_gib=0.02), progress=False)
     prompt_ids = llm.encode(PROMPT)
-    assert len(prompt_ids) > 2 * TOP_K                                      # DSA selects from the start
+    assert 16 < len(prompt_ids) <= TOP_K - 16
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt_ids):].tolist()
