@@ -103,7 +103,9 @@ def speed_table(path: Path, prompts: list[list[int]], new_tokens: int) -> None:
 def transformers_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32) -> None:
     """Greedy tokens of transformers' ``DeepseekV32ForCausalLM`` vs shardserve's, DSA active."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()           # its load report lists the MTP layer as unexpected keys
     hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32).eval()
     llm = LLM(EngineArgs(model=str(path), block_size=BLOCK_SIZE, num_blocks=len(prompts) * 40 + 8), progress=False)
     ours = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
@@ -111,8 +113,7 @@ def transformers_parity(path: Path, prompts: list[list[int]], new_tokens: int = 
         theirs = [hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     same = [d.token_ids == t for d, t in zip(ours, theirs)]
-    print(f"
-Greedy tokens equal to transformers' (DSA top-k {hf.config.index_topk}, {len(prompts)} prompts of "
+    print(f"\nGreedy tokens equal to transformers' (DSA top-k {hf.config.index_topk}, {len(prompts)} prompts of "
           f"{len(prompts[0])} tokens, {new_tokens} new): {same}", flush=True)
 
 
