@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "shakespeare-dsa-mtp"
 MTP_LOSS_WEIGHT = 0.3          # DeepSeek-V3's lambda for the first 10T tokens
 BIAS_UPDATE = 1e-3             # aux-loss-free balancing step (DeepSeek-V3's gamma)
-DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
+# 6 layers: deep enough that the one-layer MTP draft costs a small share of a target step.
+DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                   n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, kv_lora_rank=64,
                   q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
@@ -59,10 +60,10 @@ DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=
 class Schedule:
     """Steps, batch shapes and learning rates of the three stages."""
 
-    dense_steps: int = 160            # of which the last `long_steps` use `long_len`
-    long_steps: int = 40
-    warmup_steps: int = 40            # indexer warm-up
-    sparse_steps: int = 50
+    dense_steps: int = 130            # of which the last `long_steps` use `long_len`
+    long_steps: int = 30
+    warmup_steps: int = 30            # indexer warm-up
+    sparse_steps: int = 40
     seq_len: int = 512
     batch_size: int = 8
     long_len: int = 2048
