@@ -122,8 +122,10 @@ class DemoModel(nn.Module):
     """The main model and its MTP layer (the block is a one-layer ``DeepseekV32Model``, whose final
     norm is ``shared_head.norm``; embedding and LM head are the main model's).
 
-    ``forward(ids [B, S]) -> (logits [B, S, V], mtp_logits [B, S - 1, V])``: ``mtp_logits[:, t]``
-    predicts ``ids[:, t + 2]`` from ``h_t`` and ``ids[:, t + 1]``.
+    ``forward(ids [B, S]) -> (logits [B, S, V], mtp_logits [B, S - 1, V], attentions)``:
+    ``mtp_logits[:, t]`` predicts ``ids[:, t + 2]`` from ``h_t`` and ``ids[:, t + 1]``;
+    ``attentions`` (with ``output_attentions``, eager attention) holds each layer's
+    ``[B, heads, S, S]`` probabilities, the main layers' then the MTP block's.
     """
 
     def __init__(self, config) -> None:
