@@ -1,7 +1,8 @@
 """DSA and MTP measured on real weights: the trained ``shakespeare-dsa-mtp`` demo model through shardserve.
 
-Prints whether its greedy tokens equal transformers' with DSA active, then three tables (train the
-model first: ``python benchmarks/train_demo.py``):
+Prints whether its greedy tokens equal transformers' with DSA active and how many of the float
+indexer's selections the fp8 indexer (``--indexer-cache-dtype fp8``) keeps, then three tables
+(train the model first: ``python benchmarks/train_demo.py``):
 
 1. Validation perplexity (the held-out last 10% of tinyshakespeare, non-overlapping windows,
    every position scored) with dense attention (``--no-dsa``) and DSA at ``--dsa-top-k`` 64 and 256,
@@ -100,6 +101,26 @@ def speed_table(path: Path, prompts: list[list[int]], new_tokens: int) -> None:
                   f" | {row['tokens_per_forward']:>11.2f} | {row['tokens'] == base['tokens']}", flush=True)
 
 
+@torch.inference_mode()
+def fp8_agreement(path: Path, window: list[int], top_k: int) -> None:
+    """Share of the float path's selected keys that the fp8 indexer (keys and queries) also selects,
+    per layer (layer 0's inputs are equal in both runs; later layers inherit earlier differences)."""
+    from shardserve.workers.models.dsa_indexer import selection_mask
+
+    chosen = {}
+    for cache_dtype in ("auto", "fp8"):
+        runner = make_runner(path, block_size=BLOCK_SIZE, num_blocks=-(-len(window) // BLOCK_SIZE) + 1,
+                             dsa_top_k=top_k, indexer_cache_dtype=cache_dtype)
+        layers = [layer for layer in runner.model.attention_layers() if layer.indexer is not None]
+        for layer in layers:
+            layer.record_topk = True
+        PlanDriver(runner).step({"w": window})
+        chosen[cache_dtype] = [selection_mask(layer.last_topk, len(window)) for layer in layers]
+    shares = [(a & b).sum().item() / a.sum().item() for a, b in zip(chosen["auto"], chosen["fp8"])]
+    print(f"fp8 indexer (keys + queries) top-{top_k} agreement with the float path, {len(window)} tokens, per layer: "
+          + " ".join(f"{100 * share:.2f}%" for share in shares), flush=True)
+
+
 def transformers_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32) -> None:
     """Greedy tokens of transformers' ``DeepseekV32ForCausalLM`` vs shardserve's, DSA active."""
     from transformers import AutoModelForCausalLM
@@ -135,6 +156,8 @@ def main() -> None:
     started = time.perf_counter()
     print(f"{files.name} ({files.path}); validation: {validation.numel()} tokens")
     transformers_parity(files.path, [validation[i * 4096:i * 4096 + 512].tolist() for i in range(2)])
+    for top_k in (64, 256):
+        fp8_agreement(files.path, validation[:2048].tolist(), top_k)
     perplexity_table(files.path, validation, args.contexts, args.max_windows)
     prompts = [validation[i * 512:i * 512 + 64].tolist() for i in range(8)]
     acceptance_table(files.path, prompts, args.new_tokens)
