@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -29,6 +33,13 @@ class EngineArgs:
         dsa_sink: the first N positions of each sequence are always in its queries' DSA top-k
             (attention sink; 0 = plain top-k, equal to transformers).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
+            ``cuda`` or ``cpu`` (``workers/device.py``).
+        dtype: weights and activations: ``auto`` (bfloat16 on CUDA, float32 on CPU), ``bfloat16``,
+            ``float16`` or ``float32``.
+        gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
+            caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
+        enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
     """
 
     model: str = DEFAULT_MODEL
@@ -47,6 +58,10 @@ class EngineArgs:
     indexer_cache_dtype: str = "auto"
     dsa_sink: int = 0
     speculative_tokens: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -70,6 +85,56 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_utilization(self.gpu_memory_utilization)
+
+    def runner_config(self):
+        """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
+        resolved on each rank)."""
+        from shardserve.workers.model_runner import RunnerConfig
+
+        return RunnerConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gib * 2**30),
+                            num_blocks=self.num_blocks, tensor_split=self.tensor_split, device=self.device,
+                            dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            seed=self.seed)
+
+    def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
+        """The context length to serve: one sequence of that length must fit the KV pool
+        (``num_blocks * block_size`` tokens per rank), as vLLM requires at start-up.
+
+        Args:
+            model_max_len: the model's own limit (``max_position_embeddings``).
+            num_blocks: KV blocks every rank holds.
+
+        Returns:
+            ``max_model_len`` when given and it fits; else the model's limit, lowered to what the
+            pool holds (with a warning).
+
+        Raises:
+            ValueError: ``max_model_len`` was given and is more than the pool holds (the message
+                names both numbers and the flags to change).
+        """
+        pool_tokens = num_blocks * self.block_size
+        if self.max_model_len is not None:
+            if self.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"--max-model-len {self.max_model_len} does not fit the KV cache: one sequence of "
+                    f"{self.max_model_len} tokens needs {-(-self.max_model_len // self.block_size)} blocks, the "
+                    f"pool holds {num_blocks} blocks of {self.block_size} tokens ({pool_tokens} tokens) per rank; "
+                    f"raise --kv-cache-gib (now {self.kv_cache_gib:g}) or lower --max-model-len to at most "
+                    f"{pool_tokens}")
+            return self.max_model_len
+        if model_max_len > pool_tokens:
+            logger.warning("max_model_len lowered from %d (the model's) to %d tokens, what the KV cache holds "
+                           "(%d blocks of %d tokens); raise --kv-cache-gib (now %g) for longer contexts",
+                           model_max_len, pool_tokens, num_blocks, self.block_size, self.kv_cache_gib)
+            return pool_tokens
+        return model_max_len
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -95,18 +95,37 @@ def resolve_model(model: str) -> ModelFiles:
         FileNotFoundError: ``model`` is neither a known name nor an existing path, or is a demo
             model that has not been trained yet (the message says how to train it).
     """
+    check_model(model)
     if model in KNOWN_MODELS:
         return ModelFiles(model, _fetch_known(model))
     if model in DEMO_MODELS:
         return ModelFiles(model, _trained_demo(model))
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file():
         return ModelFiles(path.stem, path.resolve())
-    if path.is_dir():
-        return ModelFiles(path.name, path.resolve())
-    raise FileNotFoundError(
-        f"model {model!r}: not a known model name ({', '.join(known_model_names())}), a .gguf file or a checkpoint "
-        "folder")
+    return ModelFiles(path.name, path.resolve())
+
+
+def check_model(model: str) -> None:
+    """Cheap check of a model argument, before anything is loaded or downloaded.
+
+    Raises:
+        FileNotFoundError: ``model`` is not a known name and no such file or folder exists, it is
+            a file that is not ``.gguf``, or it is a demo model not trained yet (the message says
+            which, and how to train a demo model).
+    """
+    if model in KNOWN_MODELS:
+        return
+    if model in DEMO_MODELS:
+        _trained_demo(model)
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r}: no such file or folder (a model is a known name: "
+                                f"{', '.join(known_model_names())}; a .gguf file; or an HF checkpoint folder)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise FileNotFoundError(f"model {model!r}: a file that is not .gguf; for safetensors checkpoints pass "
+                                "the folder that holds config.json")
 
 
 def load_config(files: ModelFiles):

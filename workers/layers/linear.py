@@ -5,6 +5,9 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id)`` (nano-vllm's
 Partitions are explicit ``(start, size)`` row/column ranges so uneven splits by whole units
 (``workers/partition.py``) need no special case. Megatron-LM (Shoeybi et al. 2019) column/row rule:
 column-parallel outputs stay sharded, row-parallel outputs are summed with one all-reduce.
+
+A layer may hold its weight in FP8 with block scales (``weight_scale_inv``, set up by
+:func:`workers.fp8.keep_fp8_linears` on GPUs); :func:`linear` runs either kind.
 """
 
 from __future__ import annotations
@@ -13,8 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels import fp8_block_linear
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.distributed import get_tp_group
+
+
+def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for a layer's ``weight``: a plain matmul, or the FP8 block-scaled kernel
+    when the weight is ``float8_e4m3fn`` (with ``layer.weight_scale_inv`` and ``layer.block_size``)."""
+    if layer.weight.dtype == torch.float8_e4m3fn:
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, bias)
+    return F.linear(x, layer.weight, bias)
 
 
 def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
@@ -44,6 +56,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.shards = shards
+        self.fp8_allowed = True   # False: a caller reads `weight` directly, so it must stay in the model dtype
         self.offsets = [0]
         for _, _, size in shards:
             self.offsets.append(self.offsets[-1] + size)
@@ -64,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[self.offsets[shard_id]:self.offsets[shard_id] + size].copy_(tensor[start:start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -85,6 +98,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.local_start, self.local_size = local_start, local_size
         self.reduce_output = reduce_output
+        self.fp8_allowed = True
         self.weight = nn.Parameter(torch.empty(out_features, local_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -103,7 +117,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()
-        out = F.linear(x, self.weight)
+        out = linear(self, x, None)
         if self.reduce_output and group.tp_size > 1:
             out = group.all_reduce(out)
         if self.bias is not None and (self.reduce_output or group.tp_rank == 0):
