@@ -44,8 +44,9 @@ class CountingExecutor:
         return self.inner.execute(plan)
 
 
-def run(path: Path, k: int, prompts: list[list[int]], new_tokens: int, truth=None, repeats: int = 3) -> dict:
-    llm = LLM(EngineArgs(model=str(path), block_size=16, num_blocks=64, speculative_tokens=k), progress=False)
+def run(path: Path, k: int, prompts: list[list[int]], new_tokens: int, truth=None, repeats: int = 3,
+        num_blocks: int = 64) -> dict:
+    llm = LLM(EngineArgs(model=str(path), block_size=16, num_blocks=num_blocks, speculative_tokens=k), progress=False)
     counter = CountingExecutor(llm.core.executor)
     llm.core.executor = counter
     if truth is not None:

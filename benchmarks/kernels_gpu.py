@@ -161,7 +161,7 @@ def attention_cases(dtype, small: bool) -> list[Case]:
 def indexer_moe_cases(dtype, small: bool) -> list[Case]:
     from shardserve.kernels.fused_moe import fused_moe_ref
     from shardserve.kernels.fused_moe_triton import fused_moe_triton
-    from shardserve.kernels.indexer import indexer_scores_ref, quantize_index_keys
+    from shardserve.kernels.indexer import indexer_scores_ref, quantize_index_keys, quantize_index_queries
     from shardserve.kernels.indexer_triton import indexer_scores_triton
 
     cases = []
@@ -178,6 +178,11 @@ def indexer_moe_cases(dtype, small: bool) -> list[Case]:
                       lambda: indexer_scores_triton(q, w, kc8, table, lens, max_seq_len=ctx),
                       lambda: indexer_scores_ref(q, w, kc8, table, lens, max_seq_len=ctx),
                       work=batch * ctx * kc8.shape[-1] + batch * ctx * 4))
+    q8, q8_scale = quantize_index_queries(q)                                      # fp8 x fp8 scoring
+    cases.append(Case(f"indexer fp8-cache fp8-q decode B{batch} ctx{ctx} H{heads} D{dim}", dtype,
+                      lambda: indexer_scores_triton(q8, w, kc8, table, lens, max_seq_len=ctx, q_scale=q8_scale),
+                      lambda: indexer_scores_ref(q8, w, kc8, table, lens, max_seq_len=ctx, q_scale=q8_scale),
+                      work=batch * ctx * kc8.shape[-1] + batch * ctx * 4))
     # Prefill chunk: q_len new tokens at the end of each context, causal within the chunk.
     q_len = 5 if small else 256
     starts = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32) * q_len
@@ -186,6 +191,13 @@ def indexer_moe_cases(dtype, small: bool) -> list[Case]:
     cases.append(Case(f"indexer prefill B{batch} q{q_len} ctx{ctx} H{heads} D{dim}", dtype,
                       lambda: indexer_scores_triton(qp, wp, kc, table, lens, starts, max_seq_len=ctx),
                       lambda: indexer_scores_ref(qp, wp, kc, table, lens, starts, max_seq_len=ctx),
+                      "TFLOP/s", 2 * batch * q_len * ctx * heads * dim))
+    qp8, qp8_scale = quantize_index_queries(qp)
+    cases.append(Case(f"indexer fp8 prefill B{batch} q{q_len} ctx{ctx} H{heads} D{dim}", dtype,
+                      lambda: indexer_scores_triton(qp8, wp, kc8, table, lens, starts, max_seq_len=ctx,
+                                                    q_scale=qp8_scale),
+                      lambda: indexer_scores_ref(qp8, wp, kc8, table, lens, starts, max_seq_len=ctx,
+                                                 q_scale=qp8_scale),
                       "TFLOP/s", 2 * batch * q_len * ctx * heads * dim))
     tokens, experts, hidden, inter, top_k = (9, 4, 96, 80, 2) if small else (2048, 64, 2048, 1024, 8)
     for num_tokens in sorted({tokens, 4}):

@@ -55,8 +55,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsa-top-k", type=int, default=None,
                         help="keys (tokens) each query attends to under DSA (default: the checkpoint's index_topk)")
     parser.add_argument("--indexer-cache-dtype", choices=["auto", "fp8"], default="auto",
-                        help="DSA indexer-key cache: auto = the model dtype, fp8 = e4m3 keys with a scale per 128 "
-                             "dims")
+                        help="DSA indexer-key cache: auto = the model dtype, fp8 = e4m3 keys and queries with a "
+                             "scale per 128 dims")
+    parser.add_argument("--dsa-sink", type=int, default=0, metavar="N",
+                        help="keep the first N positions of each sequence in every DSA top-k (attention sink; "
+                             "0 = plain top-k)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
                         help="MTP speculative decoding: draft tokens per sequence and step from the checkpoint's "
                              "MTP layer (0 = off)")
@@ -140,7 +143,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
-                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens,
+                      indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
+                      speculative_tokens=ns.speculative_tokens,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager, recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
@@ -294,7 +298,7 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
+        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
         recovery_timeout=ns.recovery_timeout,
         api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,

@@ -29,7 +29,9 @@ class EngineArgs:
             has an indexer; off = dense MLA).
         dsa_top_k: keys each query attends to under DSA (None = the checkpoint's ``index_topk``).
         indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
-            (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
+            (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims; queries quantized alike).
+        dsa_sink: the first N positions of each sequence are always in its queries' DSA top-k
+            (attention sink; 0 = plain top-k, equal to transformers).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
         device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
             ``cuda`` or ``cpu`` (``workers/device.py``).
@@ -57,6 +59,7 @@ class EngineArgs:
     dsa: bool | None = None
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
+    dsa_sink: int = 0
     speculative_tokens: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -80,6 +83,8 @@ class EngineArgs:
             raise ValueError(f"--tensor-split {self.tensor_split} needs {self.tensor_parallel_size} entries")
         if self.dsa_top_k is not None and self.dsa_top_k < 1:
             raise ValueError(f"--dsa-top-k must be >= 1, got {self.dsa_top_k}")
+        if self.dsa_sink < 0 or (self.dsa_top_k is not None and self.dsa_sink > self.dsa_top_k):
+            raise ValueError(f"--dsa-sink must be in 0..--dsa-top-k, got {self.dsa_sink}")
         if self.indexer_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
@@ -144,4 +149,5 @@ class EngineArgs:
         if self.dsa_top_k is not None:
             hf_config.shardserve_dsa_top_k = self.dsa_top_k
         hf_config.shardserve_indexer_cache_dtype = self.indexer_cache_dtype
+        hf_config.shardserve_dsa_sink = self.dsa_sink
         return hf_config

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.cluster.metrics import ServeMetrics
+from shardserve.cluster.metrics import ServeMetrics, replica_info
 from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
@@ -47,9 +47,6 @@ from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 StatusFetcher = Callable[[], Awaitable[dict]]
-_GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version", "worker_restarts",
-                 "collective", "dispatch", "coordinator_node", "num_nodes")
-_LIST_FIELDS = ("rank_nodes", "rank_node_ips")
 
 
 _RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one request ends
@@ -226,8 +223,7 @@ class RouterCore:
             if replica.stub is not None:
                 try:
                     msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=self._metadata)
-                    info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
-                    info.update({name: list(getattr(msg, name)) for name in _LIST_FIELDS})
+                    info = replica_info(msg)
                 except grpc.aio.AioRpcError:
                     info = None
             self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)

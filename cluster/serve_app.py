@@ -54,7 +54,7 @@ from shardserve.cluster.openai_router import RouterCore
 from shardserve.cluster.replica_pool import FAILED, READY, RECOVERING
 from shardserve.cluster.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.cluster.worker_group import GroupConfig
-from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS, check_model
+from shardserve.workers.model_source import DEFAULT_MODEL, check_model, known_model_names
 
 logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -82,9 +82,9 @@ class ServeArgs:
             (size it for the longest completion you serve); Serve's ``graceful_shutdown_timeout_s``.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager, recovery_timeout:
-            engine settings (see EngineArgs). ``device="cuda"`` with ``gpus_per_worker=0`` reserves one
-            GPU per worker.
+            dsa_sink, speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager,
+            recovery_timeout: engine settings (see EngineArgs). ``device="cuda"`` with
+            ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
             (a Kubernetes manifest sets neither and passes the key from a Secret in that variable).
@@ -119,6 +119,7 @@ class ServeArgs:
     dsa: bool | None = None
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
+    dsa_sink: int = 0
     speculative_tokens: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -176,9 +177,9 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          speculative_tokens=self.speculative_tokens, device=self.device, dtype=self.dtype,
-                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
-                          recovery_timeout=self.recovery_timeout)
+                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens, device=self.device,
+                          dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                          enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout)
 
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""
@@ -205,7 +206,7 @@ class ServeArgs:
 
     def served_names(self) -> list[str]:
         """Names a request's ``model`` may use; the first is reported."""
-        if self.model in KNOWN_MODELS:
+        if self.model in known_model_names():
             own = self.model
         else:
             path = Path(self.model)

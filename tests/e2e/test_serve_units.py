@@ -143,6 +143,9 @@ def test_app_arguments():
     assert ServeArgs.from_dict({"indexer_cache_dtype": "fp8"}).engine_args().indexer_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="indexer-cache-dtype"):
         ServeArgs.from_dict({"indexer_cache_dtype": "fp4"})
+    assert ServeArgs.from_dict({"dsa_sink": 1}).engine_args().dsa_sink == 1
+    with pytest.raises(ValueError, match="dsa-sink"):
+        ServeArgs.from_dict({"dsa_sink": 3, "dsa_top_k": 2})
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         build_app({"model": "/no/such/model.gguf"})
     gpu = ServeArgs.from_dict({"tensor_parallel_size": 2, "device": "cuda", "dtype": "bfloat16"})

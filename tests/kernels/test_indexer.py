@@ -1,4 +1,5 @@
-"""DSA indexer: Triton logits vs reference, top-k selection, reference vs a per-token loop."""
+"""DSA indexer: Triton logits vs reference (float / fp8 keys / fp8 keys and queries), top-k selection
+with and without the per-sequence attention sink, reference vs a per-token loop."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from kernel_utils import DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of
-from shardserve.kernels.indexer import (dequantize_index_keys, fp8_row_bytes, indexer_scores_ref, indexer_topk,
-                             quantize_index_keys, select_topk)
+from shardserve.kernels.indexer import (dequantize_index_keys, dequantize_index_queries, fp8_row_bytes,
+                                        indexer_scores, indexer_scores_ref, indexer_topk, quantize_index_keys,
+                                        quantize_index_queries, select_topk)
 from shardserve.kernels.paged_attention import store_cache_ref
 
 # (block_size, seq_lens, query_lens or None for decode, num_heads, head_dim)
@@ -19,6 +21,7 @@ CASES = [
     (64, [64, 65], None, 3, 64),               # block_size 64
     (16, [40, 7], [5, 7], 2, 32),              # varlen: chunked prefill + full prefill
     (16, [70], None, 80, 16),                  # more heads than one head tile (two tiles of 64)
+    (16, [20, 9], [4, 9], 2, 200),             # two fp8 scale groups, the second one partial
 ]
 
 
@@ -43,7 +46,7 @@ def params():
                                id=case_id(len(lens), num_tokens, h, d, dtype, f"bs{bs}", f"ctx{max(lens)}"))
 
 
-@pytest.mark.parametrize("cache", ["model-dtype", "fp8"])
+@pytest.mark.parametrize("cache", ["model-dtype", "fp8", "fp8-queries"])
 @pytest.mark.parametrize("block_size,seq_lens,query_lens,num_heads,head_dim,dtype", list(params()))
 def test_indexer_kernel_matches_reference(block_size, seq_lens, query_lens, num_heads, head_dim, dtype, cache):
     from shardserve.kernels.indexer_triton import indexer_scores_triton
@@ -51,15 +54,20 @@ def test_indexer_kernel_matches_reference(block_size, seq_lens, query_lens, num_
     make = build if cache == "model-dtype" else build_fp8
     q, weights, k_cache, block_tables, lens, qsl, _ = make(block_size, seq_lens, query_lens, num_heads, head_dim,
                                                             dtype)
-    expected = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens))
-    actual = indexer_scores_triton(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens))
+    q_scale = None
+    if cache == "fp8-queries":
+        q, q_scale = quantize_index_queries(q)
+    expected = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens), q_scale=q_scale)
+    actual = indexer_scores_triton(q, weights, k_cache, block_tables, lens, qsl, max(seq_lens), q_scale=q_scale)
     assert actual.shape == expected.shape and actual.dtype == torch.float32
     assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "causal -inf pattern differs"
     finite = torch.isfinite(expected)
     # Model-dtype keys: logits sum H*D products and bf16 inputs are exact in fp32, so both dtypes use
     # the fp32-level bound. fp8 keys: the kernel multiplies dequantized keys rounded to the query's
-    # dtype (the tensor-core operand dtype), so the bound is that dtype's.
-    assert_close(actual[finite], expected[finite], torch.float32 if cache == "model-dtype" else dtype, scale=5.0)
+    # dtype (the tensor-core operand dtype), so the bound is that dtype's. fp8 keys and queries:
+    # products of e4m3 values are exact, so only the summation order differs (fp32 bound).
+    bound = dtype if cache == "fp8" else torch.float32
+    assert_close(actual[finite], expected[finite], bound, scale=5.0)
 
 
 @pytest.mark.parametrize("topk", [4, 64, 2048], ids=["B2-T12-H4-D32-fp32-topk4", "B2-T12-H4-D32-fp32-topk64-exceeds",
@@ -165,3 +173,81 @@ def test_fp8_indexer_reference_scores_the_dequantized_keys():
     dequantized = [torch.stack([_fp8_oracle(row) for row in seq_keys]) for seq_keys in keys]
     torch.testing.assert_close(logits.double(), per_token_logits(q, weights, dequantized, seq_lens, query_lens, 33),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_query_reference_scores_the_dequantized_queries():
+    """fp8 queries: scores == the per-token loop over dequantized queries and keys (both quantized
+    per 128 dims with power-of-two scales, so the dequantized values are exact)."""
+    seq_lens, query_lens = [18, 33], [3, 4]
+    q, weights, k_cache, block_tables, lens, qsl, keys = build_fp8(16, seq_lens, query_lens, 3, 160, torch.float32)
+    q_fp8, q_scale = quantize_index_queries(q)
+    assert q_fp8.dtype == torch.float8_e4m3fn and q_scale.shape == (7, 3, 2)
+    assert torch.equal(dequantize_index_queries(q_fp8, q_scale),
+                       torch.stack([torch.stack([_fp8_oracle(head) for head in token]) for token in q]))
+    logits = indexer_scores_ref(q_fp8, weights, k_cache, block_tables, lens, qsl, 33, q_scale=q_scale)
+    dequantized_keys = [torch.stack([_fp8_oracle(row) for row in seq_keys]) for seq_keys in keys]
+    oracle = per_token_logits(dequantize_index_queries(q_fp8, q_scale), weights, dequantized_keys, seq_lens,
+                              query_lens, 33)
+    torch.testing.assert_close(logits.double(), oracle, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_queries_need_scales_and_the_fp8_cache():
+    q, weights, k_cache, block_tables, lens, qsl, _ = build(16, [20], [4], 2, 32, torch.float32)
+    q_fp8, q_scale = quantize_index_queries(q)
+    with pytest.raises(ValueError, match="fp8 key cache only"):
+        indexer_scores(q_fp8, weights, k_cache, block_tables, lens, qsl, 20, q_scale=q_scale)
+    with pytest.raises(ValueError, match="come with their scales"):
+        indexer_scores(q_fp8, weights, k_cache, block_tables, lens, qsl, 20)
+
+
+# ---- attention sink: the first positions of each sequence always survive top-k
+
+def _sink_oracle(logits: torch.Tensor, topk: int, sink: int) -> list[set[int]]:
+    """Per row: the visible positions < ``sink``, then the best others until ``topk`` are chosen."""
+    chosen = []
+    for row in logits.tolist():
+        visible = [s for s, value in enumerate(row) if value != float("-inf")]
+        forced = [s for s in visible if s < sink][:topk]
+        rest = sorted((s for s in visible if s >= sink), key=lambda s: -row[s])
+        chosen.append(set(forced + rest[:topk - len(forced)]))
+    return chosen
+
+
+@pytest.mark.parametrize("sink", [0, 1, 3])
+def test_select_topk_sink_replaces_the_lowest_ranked(sink):
+    logits = torch.randn(9, 12, generator=torch.Generator().manual_seed(sink))
+    logits[:, :3] -= 10.0                                  # the sink candidates rank last
+    logits[4:, :] = logits[4:].masked_fill(torch.arange(12) > torch.arange(9)[4:, None], float("-inf"))
+    logits[3, 1:] = float("-inf")                          # a row that sees position 0 only
+    picked = select_topk(logits, 5, sink)
+    assert [set(row[row >= 0].tolist()) for row in picked] == _sink_oracle(logits, 5, sink)
+    assert ((picked >= 0).sum(-1) == torch.isfinite(logits).sum(-1).clamp(max=5)).all(), "k stays k"
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("cache", ["model-dtype", "fp8-queries"])
+def test_sink_holds_each_packed_sequences_own_first_keys(path, cache, monkeypatch):
+    """3 packed sequences (chunked prefill, full prefill, one decode-like query) whose first two
+    keys score lowest: with ``sink=2`` every row keeps positions 0 and 1 of its *own* sequence
+    (not the batch's first cells) and otherwise the reference's best keys."""
+    seq_lens, query_lens = [40, 23, 31], [6, 23, 1]
+    make = build if cache == "model-dtype" else build_fp8
+    q, weights, k_cache, block_tables, lens, qsl, keys = make(16, seq_lens, query_lens, 4, 32, torch.float32)
+    q, weights = q.abs(), weights.abs()                    # every score is a sum of w * relu(q.k) >= 0
+    for b, length in enumerate(seq_lens):                  # keys 0 and 1 point away from every query
+        crafted = keys[b].abs()
+        crafted[:2] = -crafted[:2] - 1.0
+        rows = quantize_index_keys(crafted) if cache != "model-dtype" else crafted
+        store_cache_ref(rows, k_cache, slots_of(block_tables, b, torch.arange(length), 16))
+    q_scale = None
+    if cache == "fp8-queries":
+        q, q_scale = quantize_index_queries(q)
+    logits = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, 40, q_scale=q_scale)
+    monkeypatch.setenv("SHARDSERVE_KERNELS", path)
+    plain = indexer_topk(q, weights, k_cache, block_tables, lens, 8, qsl, 40, q_scale=q_scale)
+    sunk = indexer_topk(q, weights, k_cache, block_tables, lens, 8, qsl, 40, q_scale=q_scale, sink=2)
+    long_rows = torch.isfinite(logits).sum(-1) >= 8 + 2        # rows where both crafted keys can lose
+    assert long_rows.sum() >= 20
+    assert not (plain[long_rows] < 2).any(), "the crafted first keys must lose without the sink"
+    assert [set(row[row >= 0].tolist()) for row in sunk] == _sink_oracle(logits, 8, 2)
+    assert ((sunk[long_rows] == 0).any(-1) & (sunk[long_rows] == 1).any(-1)).all()

@@ -15,7 +15,8 @@ as constructor keywords: ``shardserve_dsa`` (default True; False = dense MLA, no
 ``shardserve_dsa_top_k`` (default: the checkpoint's ``index_topk``), ``shardserve_hadamard``
 (default True: Walsh-Hadamard rotation of indexer q/k, score-preserving),
 ``shardserve_indexer_cache_dtype`` (``"auto"``: the model dtype, or ``"fp8"``; see
-:class:`DSAIndexer`).
+:class:`DSAIndexer`), ``shardserve_dsa_sink`` (default 0: first positions of each sequence always
+in the top-k; see :class:`DSAIndexer`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
 from shardserve.workers.models.paged_batch import PagedBatch
 from shardserve.workers.partition import split_units
+
+
+def check_dsa_sink(sink: int, top_k: int | None) -> None:
+    """Raises ValueError unless ``0 <= sink <= top_k`` (the sink positions must fit in the top-k)."""
+    if sink < 0 or (top_k is not None and sink > top_k):
+        raise ValueError(f"--dsa-sink {sink} must be in 0..{top_k if top_k is not None else 'top-k'} "
+                         "(the always-kept first positions count toward each query's top-k)")
 
 
 def _option(explicit, config, name: str, default):
@@ -75,11 +83,13 @@ class DeepseekModel(nn.Module):
         dtype: parameter dtype.
         indexer_types: per layer ``"full"`` (own DSA indexer), ``"shared"`` (reuse the last full
             layer's top-k) or ``"none"`` (dense MLA).
-        indexer_rope_interleaved / hadamard / indexer_cache_dtype: indexer options (see :class:`DSAIndexer`).
+        indexer_rope_interleaved / hadamard / indexer_cache_dtype / dsa_sink: indexer options (see
+            :class:`DSAIndexer`).
     """
 
     def __init__(self, config, tensor_split: list[float] | None, dtype: torch.dtype, indexer_types: list[str],
-                 indexer_rope_interleaved: bool, hadamard: bool, indexer_cache_dtype: str = "auto") -> None:
+                 indexer_rope_interleaved: bool, hadamard: bool, indexer_cache_dtype: str = "auto",
+                 dsa_sink: int = 0) -> None:
         super().__init__()
         group = get_tp_group()
         rank, size = group.tp_rank, group.tp_size
@@ -100,7 +110,7 @@ class DeepseekModel(nn.Module):
         for idx in range(config.num_hidden_layers):
             indexer = None
             if indexer_types[idx] == "full":
-                indexer = DSAIndexer(config, indexer_rope_interleaved, hadamard, dtype, indexer_cache_dtype)
+                indexer = DSAIndexer(config, indexer_rope_interleaved, hadamard, dtype, indexer_cache_dtype, dsa_sink)
             attn = MLAAttention(config, head_range, rotary, mla_interleaved, indexer,
                                 shares_topk=indexer_types[idx] == "shared", dtype=dtype)
             if mlp_types[idx] == "sparse":
@@ -134,8 +144,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         tensor_split: relative per-rank weights for uneven splits (None = even); heads, routed
             experts, MLP intermediate dims and the vocabulary are split in whole units.
         dtype: parameter and cache dtype.
-        dsa_enabled / dsa_top_k / hadamard / indexer_cache_dtype: serving switches (see the module
-            docstring).
+        dsa_enabled / dsa_top_k / hadamard / indexer_cache_dtype / dsa_sink: serving switches (see the
+            module docstring).
+
+    Raises:
+        ValueError: ``dsa_sink`` outside ``0..dsa_top_k``.
     """
 
     # checkpoint sub-name -> (our packed parameter sub-name, shard id)
@@ -144,7 +157,7 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def __init__(self, config, tensor_split: list[float] | None = None, dtype: torch.dtype = torch.float32, *,
                  dsa_enabled: bool | None = None, dsa_top_k: int | None = None, hadamard: bool | None = None,
-                 indexer_cache_dtype: str | None = None) -> None:
+                 indexer_cache_dtype: str | None = None, dsa_sink: int | None = None) -> None:
         super().__init__()
         self.config = config
         has_indexer = hasattr(config, "index_topk")
@@ -152,10 +165,12 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.dsa_top_k = int(_option(dsa_top_k, config, "shardserve_dsa_top_k", getattr(config, "index_topk", 0)))
         self.hadamard = bool(_option(hadamard, config, "shardserve_hadamard", True))
         self.indexer_cache_dtype = str(_option(indexer_cache_dtype, config, "shardserve_indexer_cache_dtype", "auto"))
+        self.dsa_sink = int(_option(dsa_sink, config, "shardserve_dsa_sink", 0))
         assert not self.dsa_enabled or self.dsa_top_k > 0, f"dsa_top_k={self.dsa_top_k} must be > 0"
+        check_dsa_sink(self.dsa_sink, self.dsa_top_k if self.dsa_enabled else None)
         indexer_types = self._indexer_types(config) if self.dsa_enabled else ["none"] * config.num_hidden_layers
         self.model = DeepseekModel(config, tensor_split, dtype, indexer_types, self.indexer_rope_interleaved,
-                                   self.hadamard, self.indexer_cache_dtype)
+                                   self.hadamard, self.indexer_cache_dtype, self.dsa_sink)
         rank = get_tp_group().tp_rank
         ranges = self.model.vocab_ranges
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *ranges[rank],

@@ -14,7 +14,12 @@ which is DeepSeek-V3.2-Exp ``inference/model.py: Indexer`` without the FP8 scori
 The key cache holds keys in the model dtype or, with ``cache_dtype="fp8"``, in DeepSeek-V3.2's fp8
 format (e4m3 values + a power-of-two scale per 128 dims, packed per slot; see
 :func:`kernels.indexer.quantize_index_keys`): 132 instead of 256 bytes per token for bf16
-``index_head_dim=128``. Only keys are quantized, so scores move by the keys' e4m3 rounding.
+``index_head_dim=128``. With it the queries are quantized the same way and scored fp8 x fp8
+(DeepSeek-V3.2's ``act_quant(q)`` + ``fp8_index``), so scores move by the e4m3 rounding of both.
+
+``sink`` (``--dsa-sink``, default 0) keeps the first ``sink`` positions of each sequence in every
+query's top-k (ik_llama.cpp's GLM-5.2 DSA port: an imperfect indexer that drops a sequence's
+attention sink makes decoding collapse); see :func:`kernels.indexer.select_topk`.
 
 Optionally (default on) q and k are rotated by the normalized Walsh-Hadamard matrix before the
 key is cached, as DeepSeek's reference does (``rotate_activation``): ``(Hq).(Hk) = q.k`` so the
@@ -29,7 +34,7 @@ from torch import nn
 
 from shardserve.kernels import apply_rotary, indexer_topk, store_cache
 from shardserve.kernels.hadamard import hadamard_transform
-from shardserve.kernels.indexer import fp8_row_bytes, quantize_index_keys
+from shardserve.kernels.indexer import fp8_row_bytes, quantize_index_keys, quantize_index_queries
 from shardserve.workers.forward_context import AttentionMetadata
 from shardserve.workers.layers.linear import ColumnParallelLinear
 
@@ -50,20 +55,24 @@ class DSAIndexer(nn.Module):
         rope_interleaved: RoPE pair layout of the reference (False for DeepSeek-V3.2, True for GLM).
         hadamard: rotate q and k by the Walsh-Hadamard matrix (score-preserving).
         dtype: parameter dtype (``weights_proj`` stays float32, as HF keeps it).
-        cache_dtype: ``"auto"`` (keys cached in ``dtype``) or ``"fp8"`` (packed fp8 rows).
+        cache_dtype: ``"auto"`` (keys cached in ``dtype``) or ``"fp8"`` (packed fp8 rows, fp8 queries).
+        sink: first positions of each sequence always selected (0 = plain top-k, as transformers).
 
     ``k_cache`` (shape and dtype from :meth:`cache_spec`) is set by the attention layer's cache setter.
 
     Raises:
         ValueError: an unknown ``cache_dtype``, a non-power-of-two ``index_head_dim`` with the
-            Hadamard rotation on, or an fp8 cache with ``index_head_dim % 4 != 0``.
+            Hadamard rotation on, an fp8 cache with ``index_head_dim % 4 != 0``, or ``sink < 0``.
     """
 
     def __init__(self, config, rope_interleaved: bool, hadamard: bool, dtype: torch.dtype,
-                 cache_dtype: str = "auto") -> None:
+                 cache_dtype: str = "auto", sink: int = 0) -> None:
         super().__init__()
         if cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"indexer cache dtype must be 'auto' or 'fp8', got {cache_dtype!r}")
+        if sink < 0:
+            raise ValueError(f"DSA sink must be >= 0, got {sink}")
+        self.sink = sink
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -110,7 +119,7 @@ class DSAIndexer(nn.Module):
             q_latent: ``[T, q_lora_rank]`` the MLA query latent (after ``q_a_layernorm``).
             cos, sin: ``[T, qk_rope_head_dim // 2]`` RoPE angles of the tokens' positions.
             meta: the step's attention metadata (slot mapping, block tables, sequence lengths).
-            top_k: keys kept per query.
+            top_k: keys kept per query (the first ``sink`` positions of each sequence among them).
 
         Returns:
             ``[T, top_k]`` int32 positions within each token's own sequence, best first, ``-1``
@@ -128,6 +137,8 @@ class DSAIndexer(nn.Module):
         if meta.max_seq_len <= top_k:
             return None
         weights = self.weights_proj(hidden.float()) * (self.num_heads ** -0.5 * self.head_dim ** -0.5)   # [T, H_idx]
+        q, q_scale = quantize_index_queries(q) if self.cache_fp8 else (q, None)
         decode = meta.max_query_len == 1               # one query per sequence: the batched decode path
         return indexer_topk(q, weights, self.k_cache, meta.block_tables, meta.seq_lens, top_k,
-                            None if decode else meta.query_start_loc, meta.max_seq_len)
+                            None if decode else meta.query_start_loc, meta.max_seq_len, q_scale=q_scale,
+                            sink=self.sink)

@@ -30,7 +30,8 @@ from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmb
 from shardserve.workers.layers.linear import ColumnParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
-from shardserve.workers.models.deepseek_v32 import DeepseekDecoderLayer, DeepseekV32ForCausalLM, _option
+from shardserve.workers.models.deepseek_v32 import (DeepseekDecoderLayer, DeepseekV32ForCausalLM, _option,
+                                                   check_dsa_sink)
 from shardserve.workers.models.dsa_indexer import DSAIndexer
 from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
@@ -132,10 +133,12 @@ class DeepseekMTPModel(nn.Module):
             if has_indexer else None
         indexer = None
         if has_indexer:
+            sink = int(_option(None, config, "shardserve_dsa_sink", 0))
+            check_dsa_sink(sink, self.top_k)
             indexer = DSAIndexer(config, getattr(target_cls, "indexer_rope_interleaved",
                                                  DeepseekV32ForCausalLM.indexer_rope_interleaved),
                                  bool(_option(None, config, "shardserve_hadamard", True)), dtype,
-                                 str(_option(None, config, "shardserve_indexer_cache_dtype", "auto")))
+                                 str(_option(None, config, "shardserve_indexer_cache_dtype", "auto")), sink)
         moe = f"{self.prefix}mlp.gate.weight" in ckpt_names
         self.mtp = DeepseekMTPLayer(config, indexer, moe, dtype)
 

@@ -1,0 +1,39 @@
+"""The router's ``/metrics`` exports each replica's MTP speculative-decoding counters as the
+replica reports them in its gRPC ``ModelInfo`` (the message the router reads before a scrape)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardserve.cluster.metrics import ServeMetrics, replica_info
+from shardserve.cluster.speculative import SpecStats
+from shardserve.proto import inference_pb2 as pb
+
+
+def _samples(metrics: ServeMetrics) -> dict[tuple, float]:
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_spec_counters_per_replica():
+    stats = SpecStats(2)
+    for drafted, accepted in [(2, 2), (2, 1), (2, 0), (1, 1)]:
+        stats.add(drafted, accepted)
+    speculating = pb.ModelInfoResponse(model="m", num_running=3, num_blocks=64, num_free_blocks=60, **stats.as_dict())
+    plain = pb.ModelInfoResponse(model="m", num_running=1, num_blocks=64, num_free_blocks=64)
+    metrics = ServeMetrics()
+    metrics.set_replica(0, True, 10, replica_info(speculating))
+    metrics.set_replica(1, True, 0, replica_info(plain))
+    samples = _samples(metrics)
+    zero, one = (("replica", "0"),), (("replica", "1"),)
+    assert samples["shardserve_spec_drafts_total", zero] == 4
+    assert samples["shardserve_spec_draft_tokens_total", zero] == 7
+    assert samples["shardserve_spec_accepted_tokens_total", zero] == 4
+    assert samples["shardserve_spec_acceptance_rate", (("position", "1"), ("replica", "0"))] == 3 / 4
+    assert abs(samples["shardserve_spec_acceptance_rate", (("position", "2"), ("replica", "0"))] - 1 / 3) < 1e-6
+    assert abs(samples["shardserve_spec_mean_acceptance_length", zero] - 2.0) < 1e-6
+    assert ("shardserve_spec_drafts_total", one) not in samples             # replica 1 does not speculate
+    assert samples["shardserve_num_requests_running", zero] == 3
+    # The coordinator's own exposition uses the same names (without the replica label).
+    assert "shardserve_spec_drafts_total 4.0" in stats.prometheus_text()
