@@ -5,6 +5,10 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id)`` (nano-vllm's
 Partitions are explicit ``(start, size)`` row/column ranges so uneven splits by whole units
 (``workers/partition.py``) need no special case. Megatron-LM (Shoeybi et al. 2019) column/row rule:
 column-parallel outputs stay sharded, row-parallel outputs are summed with one all-reduce.
+
+With a weight format set (``workers/layers/quantized.py``) a layer keeps its slice of a quantized
+weight packed for the CPU kernels instead: column slices are whole output rows, row-parallel
+slices whole groups of 32 input columns (``packed`` is then set and ``weight`` is None).
 """
 
 from __future__ import annotations
@@ -17,6 +21,34 @@ from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.distributed import get_tp_group
 
 
+class PackableLinear(nn.Module):
+    """What the column- and row-parallel layers share for packed weights.
+
+    Attributes:
+        packable: may hold a packed weight (False for layers whose weight is read directly).
+        staging: integer-form parts collected while loading (None: plain float weights).
+        packed: the packed weight after loading, or None.
+    """
+
+    packable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging = None
+        self.packed = None
+
+    def set_packed(self, packed) -> None:
+        """Use ``packed`` (a :class:`~workers.layers.quantized.PackedWeight`) instead of ``weight``."""
+        self.packed = packed
+        self.weight = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` with the packed or the float weight (no bias)."""
+        if self.packed is not None:
+            return self.packed.matmul(x)
+        return F.linear(x, self.weight)
+
+
 def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
     from shardserve.workers.checkpoint import CheckpointError
 
@@ -26,7 +58,7 @@ def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
             f"expected {expected} along dim {dim}")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """``y = x W^T`` with W's output rows split across ranks; one or more logical matrices
     packed side by side (QKV, gate/up).
 
@@ -61,13 +93,20 @@ class ColumnParallelLinear(nn.Module):
         _check_shape(tensor, 0, full)
         if param.dim() == 2:
             _check_shape(tensor, 1, self.in_features)
+            if self.staging is not None and self.staging.take(shard_id, tensor, lambda q: q.rows(start, size)):
+                return
         param.data[self.offsets[shard_id]:self.offsets[shard_id] + size].copy_(tensor[start:start + size])
 
+    def dense_slot(self, shard_id: int) -> torch.Tensor:
+        """The rows of ``weight`` that packed matrix ``shard_id`` fills."""
+        return self.weight.data[self.offsets[shard_id]:self.offsets[shard_id + 1]]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x W^T`` with W's input columns split across ranks, then summed by all-reduce.
 
     Args:
@@ -99,11 +138,17 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(tensor[:])
             return
         _check_shape(tensor, 1, self.in_features)
+        if self.staging is not None and self.staging.take(
+                shard_id, tensor, lambda q: q.cols(self.local_start, self.local_size)):
+            return
         param.data.copy_(tensor[:, self.local_start:self.local_start + self.local_size])
+
+    def dense_slot(self, shard_id: int) -> torch.Tensor:
+        return self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()
-        out = F.linear(x, self.weight)
+        out = self.matmul(x)
         if self.reduce_output and group.tp_size > 1:
             out = group.all_reduce(out)
         if self.bias is not None and (self.reduce_output or group.tp_rank == 0):
