@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.config import DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineArgs
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -29,6 +29,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
                         help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
                              "(0 = off)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="compute dtype (auto on CPU: bfloat16 with packed weights for Q4_0/Q4_1/Q8_0 GGUF "
+                             "files, else float32; float32 = the exact dequantized path)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                        help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
+                             "output row, int4 per group of 32")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +66,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
-                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens)
+                      indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens,
+                      dtype=ns.dtype, quantization=ns.quantization)
 
 
 def _group_config(ns: argparse.Namespace):
@@ -104,8 +111,11 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
 
     from shardserve.cluster.coordinator import launch_coordinator
 
+    from shardserve.workers.model_source import resolve_model
+
     args, group = _engine_args(ns), _group_config(ns)
     args.validate()
+    args.validate_model(resolve_model(args.model))
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
     init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
@@ -143,7 +153,7 @@ def _serve_args(ns: argparse.Namespace):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        speculative_tokens=ns.speculative_tokens)
+        speculative_tokens=ns.speculative_tokens, dtype=ns.dtype, quantization=ns.quantization)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:
@@ -188,6 +198,7 @@ def _serve(ns: argparse.Namespace) -> int:
     cfg.validate()
     stop = _interrupt_event()
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
+    cfg.engine_args().validate_model(files)
     init_ray(ns.address, cfg.cpus_needed())
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
     try:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from shardserve.workers.model_source import DEFAULT_MODEL
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_CHOICES = ("none", "int8", "int4")
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -27,6 +30,11 @@ class EngineArgs:
         indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        dtype: compute dtype, ``auto`` / ``bfloat16`` / ``float16`` / ``float32``. On CPU ``auto`` is
+            bfloat16 with packed weights for a GGUF file of mostly Q4_0/Q4_1/Q8_0 matrices (the fast
+            path) and float32 otherwise; ``float32`` is the exact dequantized path.
+        quantization: ``none`` / ``int8`` / ``int4``: weight-only quantization of a float checkpoint
+            at load time (CPU kernels; int8 per output row, int4 per group of 32).
     """
 
     model: str = DEFAULT_MODEL
@@ -44,6 +52,8 @@ class EngineArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    dtype: str = "auto"
+    quantization: str = "none"
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings."""
@@ -65,6 +75,22 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+
+    def validate_model(self, files) -> None:
+        """Checks that need the resolved model files (``workers.model_source.ModelFiles``), made
+        before any weight is read.
+
+        Raises:
+            ValueError: ``--quantization`` with a GGUF file (its weights are quantized already).
+        """
+        if self.quantization != "none" and files.path.suffix == ".gguf":
+            raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
+                             f"{files.path.name} is a GGUF file, quantized already")
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -52,6 +52,7 @@ class Coordinator:
         args.validate()
         self.args = args
         self.files = resolve_model(args.model)
+        args.validate_model(self.files)
         self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         group = group or GroupConfig(tensor_parallel_size=args.tensor_parallel_size)
@@ -61,7 +62,8 @@ class Coordinator:
         self.group = WorkerGroup(
             self.files, self.hf_config,
             RunnerConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                         num_blocks=args.num_blocks, tensor_split=args.tensor_split, seed=args.seed),
+                         num_blocks=args.num_blocks, tensor_split=args.tensor_split, seed=args.seed,
+                         dtype=args.dtype, quantization=args.quantization),
             group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)

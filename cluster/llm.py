@@ -40,11 +40,13 @@ class LLM:
             raise ValueError("the single-process engine runs TP=1; use the cluster for tensor parallelism")
         self.args = args
         self.files = resolve_model(args.model)
+        args.validate_model(self.files)
         self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
             block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-            num_blocks=args.num_blocks, seed=args.seed), progress=progress)
+            num_blocks=args.num_blocks, seed=args.seed, dtype=args.dtype, quantization=args.quantization),
+            progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)

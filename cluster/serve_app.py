@@ -59,7 +59,7 @@ class ServeArgs:
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            speculative_tokens: engine settings (see EngineArgs).
+            speculative_tokens, dtype, quantization: engine settings (see EngineArgs).
     """
 
     model: str = DEFAULT_MODEL
@@ -87,6 +87,8 @@ class ServeArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    dtype: str = "auto"
+    quantization: str = "none"
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -124,7 +126,8 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          speculative_tokens=self.speculative_tokens)
+                          speculative_tokens=self.speculative_tokens, dtype=self.dtype,
+                          quantization=self.quantization)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,

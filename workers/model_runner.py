@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.workers.checkpoint import open_checkpoint
+from shardserve.workers.checkpoint import GGUFCheckpoint, open_checkpoint
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.quantization import WeightFormat, resolve_cpu_dtype, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
 from shardserve.workers.weight_loader import build_model
 
@@ -32,8 +33,17 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30        # cache budget on this rank, bytes
     num_blocks: int | None = None        # overrides kv_cache_bytes when set
     tensor_split: list[float] | None = None
-    dtype: torch.dtype = torch.float32
+    dtype: str = "auto"                  # auto | bfloat16 | float16 | float32 (workers/quantization.py)
+    quantization: str = "none"           # none | int8 | int4: pack float weights at load time
     seed: int = 0                        # seed of the generator for unseeded requests
+
+
+def weight_format_of(ckpt, dtype: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
+    """Compute dtype and weight format of a run on CPU (the ``--dtype auto`` rule is
+    :func:`workers.quantization.resolve_cpu_dtype`)."""
+    is_gguf = isinstance(ckpt, GGUFCheckpoint)
+    resolved = resolve_cpu_dtype(dtype, ckpt.matrix_types() if is_gguf else None, quantization)
+    return resolved, weight_format_for(resolved, quantization, is_gguf)
 
 
 def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
@@ -86,8 +96,11 @@ class ModelRunner:
     def __init__(self, files: ModelFiles, hf_config, config: RunnerConfig, progress: bool = True) -> None:
         self.config = config
         self.hf_config = hf_config
-        self.model, self.weight_bytes = build_model(hf_config, open_checkpoint(files.path),
-                                                    config.tensor_split, config.dtype, progress)
+        ckpt = open_checkpoint(files.path)
+        self.dtype, weight_format = weight_format_of(ckpt, config.dtype, config.quantization)
+        self.model, self.weight_bytes = build_model(hf_config, ckpt, config.tensor_split, self.dtype, progress,
+                                                    weight_format)
+        del ckpt
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator().manual_seed(config.seed)
