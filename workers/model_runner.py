@@ -53,11 +53,26 @@ def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
 
 
 def allocate_caches(layers, num_blocks: int, block_size: int) -> int:
-    """Give every layer zero-filled cache tensors as its ``cache_spec`` asks; returns their bytes."""
-    for layer in layers:
-        layer.kv_cache = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in layer.cache_spec(num_blocks,
-                                                                                                    block_size))
-    return cache_bytes(layers, num_blocks, block_size)
+    """Give every layer zero-filled cache tensors as its ``cache_spec`` asks; returns their bytes.
+
+    All of them are views of one anonymous ``mmap``: the OS hands out zero pages that become
+    resident only when a block is first written (``torch.zeros`` writes every byte, making the
+    worst-case cache resident at start; numpy's ``zeros`` asks for 2 MiB huge pages, so each
+    layer's first token made 4 MiB resident)."""
+    import mmap
+
+    specs = [layer.cache_spec(num_blocks, block_size) for layer in layers]
+    sizes = [math.prod(shape) * dtype.itemsize for spec in specs for shape, dtype in spec]
+    buffer = torch.frombuffer(mmap.mmap(-1, max(1, sum(-(-size // 64) * 64 for size in sizes))), dtype=torch.uint8)
+    offset = 0
+    for layer, spec in zip(layers, specs):
+        tensors = []
+        for shape, dtype in spec:
+            size = math.prod(shape) * dtype.itemsize
+            tensors.append(buffer[offset:offset + size].view(dtype).view(shape))
+            offset += -(-size // 64) * 64
+        layer.kv_cache = tuple(tensors)
+    return sum(sizes)
 
 
 @dataclass(slots=True)
