@@ -1,17 +1,15 @@
-"""Check every Triton kernel in ``kernels/`` against its torch reference on one CUDA GPU and time both.
+"""Every Triton kernel in ``kernels/`` against its torch reference on one CUDA GPU, timed: the
+kernel part of ``benchmarks/gpu_check.sh`` (:func:`run_kernel_checks`).
 
-Run through ``benchmarks/kernels_gpu.sh`` (repo root, ``PYTHONPATH=.``). For each case it prints
-the max absolute error, the error relative to the reference's largest magnitude, pass/fail, the
-Triton and torch times, and achieved GB/s (memory-bound ops: minimal bytes read + written) or
-TFLOP/s (GEMM-like ops). bf16 cases use serving-sized shapes; fp32 cases are small and check
-correctness only. Exits 1 on any mismatch or error, 0 with a message when there is no GPU.
+For each case it prints the max absolute error, the error relative to the reference's largest
+magnitude, pass/fail, the Triton and torch times, and achieved GB/s (memory-bound ops: minimal bytes
+read + written) or TFLOP/s (GEMM-like ops). bf16 cases use serving-sized shapes; fp32 cases are small
+and check correctness only. ``gpu_check.sh --cpu-dry-run`` runs the same cases on small shapes under
+the Triton interpreter.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from typing import Callable
 import torch
 
 BF16, FP32 = torch.bfloat16, torch.float32
-DEVICE = "cuda"  # "cpu" only for --cpu-interpret, the self-test of this script under TRITON_INTERPRET=1
+DEVICE = "cuda"  # "cpu" only for the dry run under TRITON_INTERPRET=1
 # (atol, rtol): pass when max|out - ref| <= atol + rtol * max|ref|.
 TOLERANCES = {FP32: (1e-4, 1e-4), BF16: (2e-2, 2e-2)}
 
@@ -203,6 +201,49 @@ def indexer_moe_cases(dtype, small: bool) -> list[Case]:
     return cases
 
 
+def fp8_cases(dtype, small: bool) -> list[Case]:
+    from shardserve.kernels.fp8_linear import fp8_block_linear_ref
+    from shardserve.kernels.fp8_linear_triton import fp8_block_linear_triton
+
+    cases = []
+    block = (32, 32) if small else (128, 128)
+    out_features, in_features = (96, 160) if small else (7168, 2048)
+    grid = (-(-out_features // block[0]), -(-in_features // block[1]))
+    weight = (torch.randn(out_features, in_features, device=DEVICE) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(grid, device=DEVICE) * 0.01 + 1e-3
+    for num_rows in ((1, 7) if small else (1, 256)):
+        x = torch.randn(num_rows, in_features, dtype=dtype, device=DEVICE)
+        work = out_features * in_features + num_rows * (in_features + out_features) * dtype.itemsize
+        cases.append(Case(f"fp8_linear T{num_rows} N{out_features} K{in_features} blk{block[0]}", dtype,
+                          lambda x=x: fp8_block_linear_triton(x, weight, scale, block),
+                          lambda x=x: fp8_block_linear_ref(x, weight, scale, block), work=work, tol_scale=2.0))
+    cases.append(_fp8_moe_case(dtype, small, block))
+    return cases
+
+
+def _fp8_moe_case(dtype, small: bool, block: tuple[int, int]) -> Case:
+    from shardserve.kernels.fused_moe import dequantize_fp8_experts, fused_moe_ref
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
+
+    tokens, experts, hidden, inter, top_k = (9, 4, 96, 64, 2) if small else (256, 64, 2048, 1024, 8)
+
+    def stacked(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values = (torch.randn(experts, rows, cols, device=DEVICE) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
+        return values, (torch.rand(grid, device=DEVICE) + 0.5) * cols ** -0.5 / 100
+
+    w13, s13 = stacked(2 * inter, hidden)
+    w2, s2 = stacked(hidden, inter)
+    x = torch.randn(tokens, hidden, dtype=dtype, device=DEVICE)
+    ids = torch.rand(tokens, experts, device=DEVICE).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=DEVICE).softmax(-1)
+    exact13, exact2 = (dequantize_fp8_experts(w, s, block, torch.float32) for w, s in ((w13, s13), (w2, s2)))
+    return Case(f"fp8 fused_moe T{tokens} E{experts} k{top_k} D{hidden} I{inter} blk{block[0]}", dtype,
+                lambda: fused_moe_triton(x, w13, w2, weights, ids, s13, s2, block),
+                lambda: fused_moe_ref(x.float(), exact13, exact2, weights, ids), "TFLOP/s",
+                2 * tokens * top_k * 3 * hidden * inter, tol_scale=2.0)
+
+
 def check(case: Case, bench: bool) -> bool:
     """Run, compare, time and print one case; True when it matches."""
     from triton.testing import do_bench
@@ -226,35 +267,30 @@ def check(case: Case, bench: bool) -> bool:
     return ok
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes only, no timing")
-    parser.add_argument("--cpu-interpret", action="store_true",
-                        help="self-test of this script: small shapes on CPU under TRITON_INTERPRET=1, no timing")
-    args = parser.parse_args()
-    if args.cpu_interpret:
-        global DEVICE
-        DEVICE = "cpu"
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        print("kernels_gpu: no CUDA device visible; nothing to check (run this on a GPU machine). Exiting 0.")
-        return 0
-    elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("kernels_gpu: TRITON_INTERPRET is set; unset it to run the compiled kernels.")
-        return 2
-    torch.backends.cuda.matmul.allow_tf32 = False  # references in true fp32
-    torch.backends.cudnn.allow_tf32 = False
+def run_kernel_checks(interpret: bool = False, quick: bool = False) -> int:
+    """Check (and on CUDA time) every case; returns the number of failures.
+
+    Args:
+        interpret: CPU self-test: small fp32 and bf16 shapes under ``TRITON_INTERPRET=1`` (which
+            must be set before Triton is first imported), no timing.
+        quick: CUDA: the small fp32 checks only (no bf16 serving shapes, no timing).
+    """
+    global DEVICE
+    DEVICE = "cpu" if interpret else "cuda"
+    if not interpret:
+        torch.backends.cuda.matmul.allow_tf32 = False  # references in true fp32
+        torch.backends.cudnn.allow_tf32 = False
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    print(f"kernels_gpu: {device_name}, torch {torch.__version__}", flush=True)
+    print(f"kernels: {device_name}, torch {torch.__version__}", flush=True)
     start, failures = time.time(), 0
     # (dtype, small shapes, timed): fp32 checks tightly on small shapes, bf16 runs serving shapes.
     plans = [(FP32, True, False)]
-    if args.cpu_interpret:
+    if interpret:
         plans.append((BF16, True, False))
-    elif not args.quick:
+    elif not quick:
         plans.append((BF16, False, True))
     for dtype, small, bench in plans:
-        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases):
+        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases):
             torch.manual_seed(0)
             try:
                 cases = build(dtype, small)
@@ -271,9 +307,5 @@ def main() -> int:
                     failures += 1
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    print(f"kernels_gpu: {failures} failure(s) in {time.time() - start:.0f} s", flush=True)
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"kernels: {failures} failure(s) in {time.time() - start:.0f} s", flush=True)
+    return failures

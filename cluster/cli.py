@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from shardserve.cluster.config import DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineArgs
+from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -29,10 +29,17 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
                         help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
                              "(0 = off)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="compute dtype (auto on CPU: bfloat16 with packed weights for Q4_0/Q4_1/Q8_0 GGUF "
-                             "files, else float32; float32 = the exact dequantized path)")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="weights and activations (auto: bfloat16 on cuda; on cpu bfloat16 with packed "
+                             "weights for Q4_0/Q4_1/Q8_0 GGUF files, else float32: the exact path)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of each GPU a rank may use; the KV cache takes what weights and "
+                             "activations leave (CPU ranks use --kv-cache-gib)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
+    parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
                         help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
                              "output row, int4 per group of 32")
 
@@ -67,17 +74,59 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
                       indexer_cache_dtype=ns.indexer_cache_dtype, speculative_tokens=ns.speculative_tokens,
-                      dtype=ns.dtype, quantization=ns.quantization)
+                      device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization)
 
 
 def _group_config(ns: argparse.Namespace):
     from shardserve.cluster.coordinator import default_cpus_per_worker
     from shardserve.cluster.worker_group import GroupConfig
 
-    return GroupConfig(tensor_parallel_size=ns.tensor_parallel_size,
-                       cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(ns.tensor_parallel_size),
-                       gpus_per_worker=ns.gpus_per_worker, strategy=ns.placement_strategy,
-                       collective=ns.cpu_collective, dispatch=ns.dispatch)
+    tp = ns.tensor_parallel_size
+    return GroupConfig(tensor_parallel_size=tp,
+                       cpus_per_worker=getattr(ns, "cpus_per_worker", None) or default_cpus_per_worker(tp),
+                       gpus_per_worker=getattr(ns, "gpus_per_worker", 0.0),
+                       strategy=getattr(ns, "placement_strategy", "PACK"),
+                       collective=getattr(ns, "cpu_collective", None), dispatch=getattr(ns, "dispatch", "calls"),
+                       device=ns.device)
+
+
+def cluster_gpus_per_worker(device: str, gpus_per_worker: float, num_workers: int, address: str | None) -> float:
+    """GPUs to reserve per worker: ``--device cuda`` (or ``auto`` where there is a GPU per worker)
+    reserves one when ``--gpus-per-worker`` was left 0. A local cluster has this machine's GPUs
+    (checked before Ray starts); a joined one (``address``) has what Ray reports.
+
+    Raises:
+        DeviceConfigError: GPUs are asked for (``--device cuda`` or ``--gpus-per-worker``) but there
+            are fewer than the workers need.
+    """
+    from shardserve.workers.device import DeviceConfigError, visible_gpus
+
+    if device == "cpu":
+        return gpus_per_worker
+    if address:
+        import ray
+
+        available, where = ray.cluster_resources().get("GPU", 0.0), "the Ray cluster has"
+    else:
+        available, where = float(visible_gpus()), "this machine has"
+    gpus = gpus_per_worker or (1.0 if device == "cuda" or available >= num_workers else 0.0)
+    if gpus * num_workers > available:
+        raise DeviceConfigError(f"--device {device}: {num_workers} worker(s) x {gpus:g} GPU need {gpus * num_workers:g} "
+                                f"GPUs; {where} {available:g}; use --device cpu or add GPUs")
+    return gpus
+
+
+def _root_cause(exc: Exception) -> str:
+    """The last ``SomeError: message`` line of a Ray error (its remote traceback), else its first line."""
+    import re
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = re.match(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", line)
+        if match:
+            return match.group(2)
+    return lines[0] if lines else type(exc).__name__
 
 
 def init_ray(address: str | None, cpus_needed: float) -> None:
@@ -118,10 +167,21 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     args.validate_model(resolve_model(args.model))
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    if not ns.address:
+        group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
+    if ns.address:
+        try:
+            group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, ns.address)
+        except ValueError:
+            ray.shutdown()
+            raise
     handle, pg = launch_coordinator(args, group)
     try:
-        address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
+        try:
+            address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
+        except ray.exceptions.RayActorError as exc:   # the coordinator failed to start (e.g. does not fit)
+            raise ServeStartError(_root_cause(exc)) from None
         print(f"shardserve gRPC API (shardserve.v1.Inference) on {address}", flush=True)
         stop.wait()
     finally:
@@ -153,7 +213,9 @@ def _serve_args(ns: argparse.Namespace):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        speculative_tokens=ns.speculative_tokens, dtype=ns.dtype, quantization=ns.quantization)
+        speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
+        gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
+        quantization=ns.quantization)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:
@@ -197,9 +259,18 @@ def _serve(ns: argparse.Namespace) -> int:
     cfg = _serve_args(ns)
     cfg.validate()
     stop = _interrupt_event()
+    num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
+    if not ns.address:
+        cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, None)
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     cfg.engine_args().validate_model(files)
     init_ray(ns.address, cfg.cpus_needed())
+    if ns.address:
+        try:
+            cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, ns.address)
+        except ValueError:
+            ray.shutdown()
+            raise
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
@@ -228,20 +299,61 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-
-    from shardserve.cluster.llm import LLM
     from shardserve.cluster.request import SamplingParams
 
-    llm = LLM(_engine_args(ns))
+    from shardserve.workers.model_source import resolve_model
+
+    args = _engine_args(ns)
+    args.validate()
+    args.validate_model(resolve_model(args.model))
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop or [])
-    (completion,) = llm.generate([prompt], params)
-    sys.stdout.write(completion.text + "\n")
-    logging.getLogger("shardserve").info("finish_reason=%s, %d prompt + %d output tokens",
-                                         completion.finish_reason, len(completion.prompt_token_ids),
-                                         len(completion.token_ids))
+    if args.tensor_parallel_size > 1:
+        completion = _generate_on_cluster(ns, args, prompt, params)
+    else:
+        from shardserve.cluster.llm import LLM
+
+        (done,) = LLM(args).generate([prompt], params)
+        completion = {"text": done.text, "finish_reason": done.finish_reason,
+                      "num_prompt_tokens": len(done.prompt_token_ids), "num_output_tokens": len(done.token_ids)}
+    sys.stdout.write(completion["text"] + "\n")
+    logging.getLogger("shardserve").info("finish_reason=%s, %d prompt + %d output tokens", completion["finish_reason"],
+                                         completion["num_prompt_tokens"], completion["num_output_tokens"])
     return 0
+
+
+def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, params) -> dict:
+    """``generate --tensor-parallel-size N``: one coordinator and N shard workers on a local Ray
+    cluster (as ``serve-grpc``), one request, then everything is shut down."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from shardserve.cluster.coordinator import launch_coordinator
+
+    group = _group_config(ns)
+    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
+    init_ray(None, 1 + group.cpus_per_worker * num_workers)
+    handle = pg = None
+    try:
+        handle, pg = launch_coordinator(args, group)
+        try:
+            ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
+            out = ray.get(handle.complete.remote(ids, params))
+        except ray.exceptions.RayActorError as exc:   # the coordinator failed to start (e.g. does not fit)
+            raise ServeStartError(_root_cause(exc)) from None
+        return {"text": out["text"], "finish_reason": out["finish_reason"], "num_prompt_tokens": len(ids),
+                "num_output_tokens": len(out["token_ids"])}
+    finally:
+        if handle is not None:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+            ray.kill(handle)
+            remove_placement_group(pg)
+        ray.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="shard workers on a local Ray cluster (1: everything in this process)")
+    gen.add_argument("--tensor-split", type=_floats, default=None,
+                     help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank)")
     gen.set_defaults(func=_generate)
 
     grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
 
 
@@ -30,11 +30,16 @@ class EngineArgs:
         indexer_cache_dtype: DSA indexer-key cache format: ``"auto"`` (the model dtype) or ``"fp8"``
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims).
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
-        dtype: compute dtype, ``auto`` / ``bfloat16`` / ``float16`` / ``float32``. On CPU ``auto`` is
-            bfloat16 with packed weights for a GGUF file of mostly Q4_0/Q4_1/Q8_0 matrices (the fast
-            path) and float32 otherwise; ``float32`` is the exact dequantized path.
+        device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
+            ``cuda`` or ``cpu`` (``workers/device.py``).
+        dtype: weights and activations: ``auto`` (bfloat16 on CUDA; on CPU bfloat16 with packed
+            weights for a GGUF file of mostly Q4_0/Q4_1/Q8_0 matrices, else float32), ``bfloat16``,
+            ``float16`` or ``float32`` (on CPU the exact dequantized path).
         quantization: ``none`` / ``int8`` / ``int4``: weight-only quantization of a float checkpoint
-            at load time (CPU kernels; int8 per output row, int4 per group of 32).
+            at load time for the CPU kernels (int8 per output row, int4 per group of 32).
+        gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
+            caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
+        enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
     """
 
     model: str = DEFAULT_MODEL
@@ -52,7 +57,10 @@ class EngineArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    device: str = "auto"
     dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     quantization: str = "none"
 
     def validate(self) -> None:
@@ -75,8 +83,11 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_utilization(self.gpu_memory_utilization)
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
@@ -91,6 +102,18 @@ class EngineArgs:
         if self.quantization != "none" and files.path.suffix == ".gguf":
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{files.path.name} is a GGUF file, quantized already")
+
+    def runner_config(self):
+        """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
+        resolved on each rank)."""
+        from shardserve.workers.model_runner import RunnerConfig
+
+        return RunnerConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gib * 2**30),
+                            num_blocks=self.num_blocks, tensor_split=self.tensor_split, device=self.device,
+                            dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            seed=self.seed, quantization=self.quantization)
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

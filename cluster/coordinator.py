@@ -22,7 +22,6 @@ from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
-from shardserve.workers.model_runner import RunnerConfig
 from shardserve.workers.model_source import load_config, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -60,11 +59,7 @@ class Coordinator:
         self.group_config = group
         pg = get_current_placement_group()
         self.group = WorkerGroup(
-            self.files, self.hf_config,
-            RunnerConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                         num_blocks=args.num_blocks, tensor_split=args.tensor_split, seed=args.seed,
-                         dtype=args.dtype, quantization=args.quantization),
-            group, args.max_num_batched_tokens, args.max_num_seqs,
+            self.files, self.hf_config, args.runner_config(), group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
         self.drafter, speculator = self._start_drafter(args, group, pg), None
@@ -93,7 +88,8 @@ class Coordinator:
             return None
         try:
             return RemoteDrafter(self.files, self.hf_config, args.block_size, self.group.num_blocks, group,
-                                 (pg, args.tensor_parallel_size + 1) if pg is not None else None, args.seed)
+                                 (pg, args.tensor_parallel_size + 1) if pg is not None else None, args.seed,
+                                 device=args.device, dtype=args.dtype)
         except Exception:
             self.group.shutdown()
             raise

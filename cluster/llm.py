@@ -9,7 +9,8 @@ from shardserve.cluster.engine import EngineCore
 from shardserve.cluster.request import Logprob, SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.device import resolve_device
+from shardserve.workers.model_runner import ModelRunner
 from shardserve.workers.model_source import load_config, resolve_model
 
 
@@ -38,15 +39,13 @@ class LLM:
         args.validate()
         if args.tensor_parallel_size != 1:
             raise ValueError("the single-process engine runs TP=1; use the cluster for tensor parallelism")
+        resolve_device(args.device)   # --device cuda without a GPU fails here, before any model is read
         self.args = args
         self.files = resolve_model(args.model)
         args.validate_model(self.files)
         self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
-        self.runner = ModelRunner(self.files, self.hf_config, RunnerConfig(
-            block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-            num_blocks=args.num_blocks, seed=args.seed, dtype=args.dtype, quantization=args.quantization),
-            progress=progress)
+        self.runner = ModelRunner(self.files, self.hf_config, args.runner_config(), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -56,7 +55,8 @@ class LLM:
             from shardserve.workers.draft_worker import DraftWorker
 
             self.drafter = DraftWorker()
-            self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, seed=args.seed)
+            self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, args.dtype,
+                              seed=args.seed, device=args.device)
             speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,

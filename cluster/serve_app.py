@@ -59,7 +59,8 @@ class ServeArgs:
         router_cpus: CPUs reserved for the router replica.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            speculative_tokens, dtype, quantization: engine settings (see EngineArgs).
+            speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager, quantization: engine settings
+            (see EngineArgs). ``device="cuda"`` with ``gpus_per_worker=0`` reserves one GPU per worker.
     """
 
     model: str = DEFAULT_MODEL
@@ -87,7 +88,10 @@ class ServeArgs:
     dsa_top_k: int | None = None
     indexer_cache_dtype: str = "auto"
     speculative_tokens: int = 0
+    device: str = "auto"
     dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     quantization: str = "none"
 
     @classmethod
@@ -126,18 +130,24 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          speculative_tokens=self.speculative_tokens, dtype=self.dtype,
+                          speculative_tokens=self.speculative_tokens, device=self.device, dtype=self.dtype,
+                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
                           quantization=self.quantization)
+
+    def worker_gpus(self) -> float:
+        """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""
+        return self.gpus_per_worker or (1.0 if self.device == "cuda" else 0.0)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
-                           gpus_per_worker=self.gpus_per_worker, strategy=self.placement_strategy,
-                           collective=self.cpu_collective, dispatch=self.dispatch)
+                           gpus_per_worker=self.worker_gpus(), strategy=self.placement_strategy,
+                           collective=self.cpu_collective, dispatch=self.dispatch, device=self.device)
 
     def replica_bundles(self) -> list[dict]:
         """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank,
         then one for the MTP draft worker when speculation is on."""
-        worker = {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+        gpus = self.worker_gpus()
+        worker = {"CPU": self.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         num_workers = self.tensor_parallel_size + (1 if self.speculative_tokens else 0)
         return [{"CPU": 1.0}] + [dict(worker) for _ in range(num_workers)]
 

@@ -41,6 +41,7 @@ class GroupConfig:
     strategy: str = "PACK"              # PACK (one node) or SPREAD
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
     dispatch: str = "compiled"          # "compiled" (Ray Compiled Graph) or "calls"
+    device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
 
 
 class WorkerGroup:
@@ -83,16 +84,25 @@ class WorkerGroup:
         self._dag = None
         try:
             self.collective = self._init_collective(hf_config, runner_config, max_batched_tokens, max_num_seqs)
-            infos = ray.get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
+            infos = _first_failure_get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
         except Exception as exc:
             self.shutdown()
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ValueError):   # a bad device request or a model that does not fit: say it as is
+                raise cause from None
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
-        cache_bytes = ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+        try:
+            cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+        except Exception as exc:
+            self.shutdown()
+            raise WorkerDiedError(f"shard workers failed to allocate their caches: {exc}") from exc
         for rank, (info, nbytes) in enumerate(zip(infos, cache_bytes)):
             info["cache_bytes"] = nbytes
-            logger.info("TP rank %d (pid %d): weights %.1f MiB, KV cache %.1f MiB in %d blocks",
-                        rank, info["pid"], info["weight_bytes"] / 2**20, nbytes / 2**20, self.num_blocks)
+            mem = info["memory"]
+            logger.info("TP rank %d (pid %d, %s, %s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in "
+                        "%d blocks", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
+                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks)
         self.rank_info = infos
         if config.dispatch == "compiled":
             self._compile()
@@ -104,7 +114,7 @@ class WorkerGroup:
             return "none"
         nodes = ray.get([w.node_address.remote() for w in self.workers])
         same_node = len({node for node, _ in nodes}) == 1
-        device = "cuda" if self.config.gpus_per_worker else "cpu"
+        device = "cuda" if self.config.gpus_per_worker and self.config.device != "cpu" else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
         if kind == "shm":
             from shardserve.workers.comm_cpu import SharedMemorySegment
@@ -137,12 +147,7 @@ class WorkerGroup:
         try:
             if self._dag is not None:
                 return ray.get(self._dag.execute(plan))[0]
-            refs = [w.execute.remote(plan) for w in self.workers]
-            pending = list(refs)
-            while pending:  # surface the first failing rank at once, not after rank 0 gives up
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
-            return ray.get(refs[0])
+            return _first_failure_get([w.execute.remote(plan) for w in self.workers])[0]
         except Exception as exc:
             if self._segment is not None:
                 self._segment.abort()  # unblock ranks spinning on a dead peer
@@ -169,6 +174,16 @@ class WorkerGroup:
             self._own_pg = None
 
 
+def _first_failure_get(refs: list) -> list:
+    """``ray.get(refs)``, but raising the first failure as soon as it happens: the other ranks may
+    be blocked in a collective waiting for the failed one (then the caller kills them)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
 class RemoteDrafter:
     """The replica's DraftWorker actor (MTP draft model), beside the shard workers.
 
@@ -178,20 +193,22 @@ class RemoteDrafter:
         config: CPUs/GPUs of the actor (one shard worker's share).
         placement: an existing placement group and the draft's bundle index in it (None: no group).
         seed: seed of the draft's generator for unseeded requests.
+        device, dtype: as the shard workers' (``--device``, ``--dtype``).
 
     Raises:
         WorkerDiedError: the actor failed to start or load (e.g. the checkpoint has no MTP layer).
     """
 
     def __init__(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int, config: GroupConfig,
-                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0) -> None:
+                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0, device: str = "auto",
+                 dtype: str = "auto") -> None:
         options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
         if placement is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement[0], placement_group_bundle_index=placement[1])
         self.actor = ray.remote(DraftWorker).options(**options).remote(max(1, int(config.cpus_per_worker)))
         try:
-            self.info = ray.get(self.actor.load.remote(files, hf_config, block_size, num_blocks, seed=seed))
+            self.info = ray.get(self.actor.load.remote(files, hf_config, block_size, num_blocks, dtype, seed, device))
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"draft worker failed to start: {exc}") from exc

@@ -80,12 +80,31 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_pair_ids[:capacity], block_expert
 
 
+def dequantize_fp8_experts(weights: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int],
+                           dtype: torch.dtype) -> torch.Tensor:
+    """``[E, rows, cols]`` FP8 expert weights with ``[E, ceil(rows / bo), ceil(cols / bi)]`` block
+    scales -> ``[E, rows, cols]`` in ``dtype`` (dequantized in float32 first)."""
+    from shardserve.kernels.fp8_linear import dequantize_fp8_weight
+
+    return torch.stack([dequantize_fp8_weight(w, s, block_size).to(dtype) for w, s in zip(weights, scale_inv)])
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """Dispatching fused MoE (:func:`kernels.fused_moe_triton.fused_moe_triton` or
-    :func:`fused_moe_ref`, same contract)."""
+    :func:`fused_moe_ref`, same contract).
+
+    With ``w13_scale`` / ``w2_scale`` (``[E, ceil(rows / bo), ceil(cols / bi)]`` float32) the expert
+    weights are ``float8_e4m3fn`` with DeepSeek-V3 block scales of ``block_size = (bo, bi)`` (``I``
+    a multiple of ``bo``, so gate and up rows never share a scale block): the Triton kernels read
+    them as FP8; the reference dequantizes them to ``hidden.dtype`` first.
+    """
     if use_triton(hidden):
         from shardserve.kernels.fused_moe_triton import fused_moe_triton
 
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_size)
+    if w13_scale is not None:
+        w13 = dequantize_fp8_experts(w13, w13_scale, block_size, hidden.dtype)
+        w2 = dequantize_fp8_experts(w2, w2_scale, block_size, hidden.dtype)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

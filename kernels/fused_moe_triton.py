@@ -18,10 +18,11 @@ from shardserve.kernels.triton_utils import check_launchable, interpreting, mma,
 
 @triton.jit
 def _moe_gate_up_kernel(
-    hidden_ptr, w13_ptr, sorted_ids_ptr, block_expert_ptr, inter_ptr,
+    hidden_ptr, w13_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr, inter_ptr,
     num_pairs, top_k, N, K,
-    stride_ht, stride_we, stride_wn, stride_ip,
+    stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ip,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
 ):
     # Grid (row tiles, cdiv(I, BLOCK_N)): inter[pair, n] = silu(x . w_gate[n]) * (x . w_up[n]).
     pid_m = tl.program_id(0)
@@ -44,8 +45,15 @@ def _moe_gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        acc_gate += mma(a, w_gate.to(a.dtype), UPCAST)                          # [BLOCK_M, BLOCK_N]
-        acc_up += mma(a, w_up.to(a.dtype), UPCAST)
+        if FP8:   # block-scaled FP8 weights: one scale per (row block, K step) of each tile column
+            s_base = scale_ptr + expert.to(tl.int64) * stride_se + k0 // SCALE_COLS
+            s_gate = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn, mask=n_mask, other=0.0)
+            s_up = tl.load(s_base + ((offs_n + N) // SCALE_ROWS) * stride_sn, mask=n_mask, other=0.0)
+            acc_gate += mma(a, w_gate.to(a.dtype), UPCAST) * s_gate[None, :]
+            acc_up += mma(a, w_up.to(a.dtype), UPCAST) * s_up[None, :]
+        else:
+            acc_gate += mma(a, w_gate.to(a.dtype), UPCAST)                      # [BLOCK_M, BLOCK_N]
+            acc_up += mma(a, w_up.to(a.dtype), UPCAST)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(inter_ptr + tl.where(m_mask, pair, 0).to(tl.int64)[:, None] * stride_ip + offs_n[None, :], act,
              mask=m_mask[:, None] & n_mask[None, :])
@@ -53,10 +61,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w2_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr, out_ptr,
+    inter_ptr, w2_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr, out_ptr,
     num_pairs, N, K,
-    stride_ip, stride_we, stride_wn, stride_op,
+    stride_ip, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
 ):
     # Grid (row tiles, cdiv(hidden, BLOCK_N)): out[pair, n] = w_pair * (inter[pair] . w2[e, n]).
     pid_m = tl.program_id(0)
@@ -77,14 +86,20 @@ def _moe_down_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += mma(a, w.to(a.dtype), UPCAST)
+        if FP8:
+            scale = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_ROWS) * stride_sn
+                            + k0 // SCALE_COLS, mask=n_mask, other=0.0)
+            acc += mma(a, w.to(a.dtype), UPCAST) * scale[None, :]
+        else:
+            acc += mma(a, w.to(a.dtype), UPCAST)
     weight = tl.load(topk_weights_ptr + row, mask=m_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row[:, None] * stride_op + offs_n[None, :], acc * weight[:, None],
              mask=m_mask[:, None] & n_mask[None, :])
 
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                     block_size: tuple[int, int] | None = None, *, block_m: int | None = None) -> torch.Tensor:
     """Triton :func:`kernels.fused_moe.fused_moe_ref` (same arguments and result).
 
     Args:
@@ -93,6 +108,9 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         w2: ``[E, hidden, I]``.
         topk_weights: ``[T, k]``.
         topk_ids: ``[T, k]`` int; ids outside ``[0, E)`` are skipped.
+        w13_scale, w2_scale, block_size: FP8 block scales when ``w13`` / ``w2`` are
+            ``float8_e4m3fn`` (see :func:`kernels.fused_moe.fused_moe`); the kernels scale each
+            tile's partial products, the weights stay FP8 in memory.
         block_m: rows per tile (default 16 for small batches, 64 otherwise).
 
     Returns:
@@ -118,18 +136,30 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     num_blocks = block_expert.shape[0]
     upcast = interpreting()
 
+    fp8 = w13_scale is not None
+    scale_rows, scale_cols = block_size if fp8 else (1, 1)
+    if fp8:
+        assert w13.dtype == w2.dtype == torch.float8_e4m3fn and w2_scale is not None and inter_size % scale_rows == 0, \
+            f"FP8 experts: w13 {w13.dtype}, w2 {w2.dtype}, I={inter_size} vs blocks {block_size}"
+        assert scale_cols % 16 == 0 and scale_cols & (scale_cols - 1) == 0, f"scale block width {scale_cols}"
+        w13_scale, w2_scale = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    s13 = w13_scale if fp8 else w13
+    s2 = w2_scale if fp8 else w2
+
     inter = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = min(pow2(inter_size, 16), 64), min(pow2(hidden_size, 16), 64)
+    block_n, block_k = min(pow2(inter_size, 16), 64), min(pow2(hidden_size, 16), 64, scale_cols if fp8 else 64)
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
-        hidden, w13, sorted_ids, block_expert, inter, num_pairs, top_k, inter_size, hidden_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
+        hidden, w13, s13, sorted_ids, block_expert, inter, num_pairs, top_k, inter_size, hidden_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, FP8=fp8, SCALE_ROWS=scale_rows,
+        SCALE_COLS=scale_cols, num_warps=4)
 
     pair_out = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    block_n, block_k = min(pow2(hidden_size, 16), 64), min(pow2(inter_size, 16), 64)
+    block_n, block_k = min(pow2(hidden_size, 16), 64), min(pow2(inter_size, 16), 64, scale_cols if fp8 else 64)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, sorted_ids, block_expert, topk_weights.contiguous().view(-1), pair_out,
+        inter, w2, s2, sorted_ids, block_expert, topk_weights.contiguous().view(-1), pair_out,
         num_pairs, hidden_size, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
+        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, FP8=fp8, SCALE_ROWS=scale_rows,
+        SCALE_COLS=scale_cols, num_warps=4)
     return pair_out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -1,10 +1,25 @@
-"""NCCL through CuPy for GPU ranks (rendezvous: rank 0's NCCL unique id, passed through Ray)."""
+"""NCCL through CuPy for GPU ranks.
+
+Rendezvous: rank 0 makes an NCCL unique id (:func:`nccl_unique_id`), the coordinator passes it
+to every rank through Ray, and each rank builds its communicator bound to its own GPU. One
+communicator per tensor-parallel group; ranks on different nodes work the same way (NCCL picks the
+network transport; ``NCCL_SOCKET_IFNAME`` and friends apply as usual).
+
+Collectives are enqueued on torch's *current* stream and never synchronize with the host, so they
+order correctly with the surrounding kernels and are recorded into a CUDA graph when the forward is
+being captured (NCCL >= 2.9 supports stream capture). ``collective_s`` then counts launch time only.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from shardserve.workers.distributed import TensorParallelGroup
+
+# NCCL's ncclDataType_t values (nccl.h); CuPy releases do not all export NCCL_BFLOAT16 (= 9, NCCL >= 2.10).
+_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_NCCL_SUM = 0
 
 
 def nccl_unique_id() -> tuple:
@@ -14,40 +29,60 @@ def nccl_unique_id() -> tuple:
     return nccl.get_unique_id()
 
 
-def _nccl_dtype(dtype: torch.dtype) -> int:
-    from cupy.cuda import nccl
+def nccl_dtype(dtype: torch.dtype) -> int:
+    """NCCL's data type code of ``dtype``.
 
-    table = {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16,
-             torch.bfloat16: nccl.NCCL_BFLOAT16, torch.int32: nccl.NCCL_INT32, torch.int64: nccl.NCCL_INT64}
-    if dtype not in table:
+    Raises:
+        TypeError: NCCL has no such type (e.g. float8).
+    """
+    if dtype not in _NCCL_DTYPES:
         raise TypeError(f"NCCL collectives do not support {dtype}")
-    return table[dtype]
+    return _NCCL_DTYPES[dtype]
 
 
 class CupyNcclGroup(TensorParallelGroup):
-    """TP group over one NCCL communicator on the current CUDA stream.
+    """TP group over one NCCL communicator on torch's current CUDA stream.
 
     Args:
-        tp_rank, tp_size: this rank; the process must already have selected its GPU.
-        unique_id: from :func:`nccl_unique_id` on one rank.
+        tp_rank, tp_size: this rank.
+        unique_id: from :func:`nccl_unique_id` on one rank (the same tuple on every rank).
+        device: this rank's GPU (default: torch's current device); the communicator is bound to it.
+
+    Every rank must call the constructor concurrently (NCCL's init is collective).
     """
 
-    def __init__(self, tp_rank: int, tp_size: int, unique_id: tuple) -> None:
+    def __init__(self, tp_rank: int, tp_size: int, unique_id: tuple, device: torch.device | int | None = None) -> None:
         super().__init__(tp_rank, tp_size)
+        import cupy
         from cupy.cuda import nccl
 
-        self._nccl = nccl
-        self.comm = nccl.NcclCommunicator(tp_size, unique_id, tp_rank)
+        if device is None:
+            index = torch.cuda.current_device()
+        else:
+            index = device if isinstance(device, int) else (torch.device(device).index or 0)
+        self.device = torch.device("cuda", index)
+        with cupy.cuda.Device(index):
+            self.comm = nccl.NcclCommunicator(tp_size, unique_id, tp_rank)
+
+    def _stream(self, tensor: torch.Tensor) -> int:
+        assert tensor.device == self.device, f"{tensor.device} tensor on the communicator of {self.device}"
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the group (on a contiguous copy when ``tensor`` is not contiguous)."""
         tensor = tensor.contiguous()
-        stream = torch.cuda.current_stream().cuda_stream
-        self.comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _nccl_dtype(tensor.dtype),
-                            self._nccl.NCCL_SUM, stream)
+        self.comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_dtype(tensor.dtype), _NCCL_SUM,
+                            self._stream(tensor))
         return tensor
 
     def _all_gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        tensor = tensor.contiguous()
         out = torch.empty((self.tp_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        stream = torch.cuda.current_stream().cuda_stream
-        self.comm.allGather(tensor.data_ptr(), out.data_ptr(), tensor.numel(), _nccl_dtype(tensor.dtype), stream)
+        self.comm.allGather(tensor.data_ptr(), out.data_ptr(), tensor.numel(), nccl_dtype(tensor.dtype),
+                            self._stream(tensor))
         return list(out.unbind(0))
+
+    def close(self) -> None:
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None:
+            comm.destroy()

@@ -23,35 +23,35 @@ import os
 import torch
 
 from shardserve.workers.checkpoint import open_checkpoint
+from shardserve.workers.device import resolve_device, resolve_dtype
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import DraftBatch, DraftProposal, DraftResult
 from shardserve.workers.model_runner import RequestState, allocate_caches, apply_request_diffs
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.models.mtp import build_mtp_model
 from shardserve.workers.sampler import draft_sample
+from shardserve.workers.step_inputs import DeviceStager, HostBatch, device_batch
 
 logger = logging.getLogger(__name__)
 
 
-def paged_metadata(start_pos: list[int], num_tokens: list[int], tables: list[list[int]],
-                   block_size: int) -> AttentionMetadata:
-    """Attention metadata for ``num_tokens[i]`` query tokens of sequence ``i`` at positions
-    ``start_pos[i]..`` over block tables ``tables`` (the runner's layout, see ``forward_context``)."""
-    positions, query_start, seq_lens = [], [0], []
-    for start, count in zip(start_pos, num_tokens):
-        positions.extend(range(start, start + count))
+def draft_inputs(start_pos: list[int], num_tokens: list[int], input_ids: list[int], tables: list[list[int]],
+                 block_size: int, stager: DeviceStager) -> tuple[torch.Tensor, AttentionMetadata]:
+    """``input_ids`` and the attention metadata of ``num_tokens[i]`` query tokens of sequence ``i``
+    at positions ``start_pos[i]..`` over block tables ``tables``, on the stager's device (the
+    runner's layout, see :mod:`workers.step_inputs`)."""
+    positions, slots, query_start, seq_lens = [], [], [0], []
+    for start, count, table in zip(start_pos, num_tokens, tables):
+        span = range(start, start + count)
+        positions.extend(span)
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in span)
         query_start.append(query_start[-1] + count)
         seq_lens.append(start + count)
     width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    positions_t = torch.tensor(positions, dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(num_tokens))
-    blocks = block_tables[seq_of_token, positions_t // block_size].long()
-    return AttentionMetadata(
-        slot_mapping=blocks * block_size + positions_t % block_size, positions=positions_t,
-        query_start_loc=torch.tensor(query_start, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64), block_tables=block_tables,
-        max_query_len=max(num_tokens), max_seq_len=max(seq_lens))
+    host = HostBatch(list(input_ids), positions, slots, query_start, seq_lens, [t + [0] * (width - len(t)) for t in tables],
+                     [], max(num_tokens), max(seq_lens))
+    ids, meta, _ = device_batch(host, stager)
+    return ids, meta
 
 
 class DraftWorker:
@@ -68,23 +68,33 @@ class DraftWorker:
         self.requests: dict[str, RequestState] = {}
         self.block_size = 0
         self.num_blocks = 0
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
         self.generator = torch.Generator()
+        self.stager = DeviceStager(self.device)
 
     def load(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int,
-             dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
-        """Load the MTP weights and allocate ``num_blocks`` cache blocks (the target's count: the
-        caches share its block ids).
+             dtype: str = "auto", seed: int = 0, device: str = "auto") -> dict:
+        """Load the MTP weights on ``device`` (resolved as a shard worker's, ``workers/device.py``)
+        and allocate ``num_blocks`` cache blocks there (the target's count: the caches share its
+        block ids).
 
         Returns:
             ``{"weight_bytes", "cache_bytes", "pid"}``.
 
         Raises:
-            ValueError: the checkpoint has no MTP layer.
+            ValueError: the checkpoint has no MTP layer, or an impossible device.
         """
-        self.model, weight_bytes = build_mtp_model(hf_config, open_checkpoint(files.path), dtype)
+        self.device = torch.device(resolve_device(device))
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(dtype, self.device.type)
+        self.stager = DeviceStager(self.device)
+        self.model, weight_bytes = build_mtp_model(hf_config, open_checkpoint(files.path), self.dtype, self.device)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.generator.manual_seed(seed + 1)
-        cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, block_size)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, block_size, self.device)
         logger.info("draft (MTP): weights %.1f MiB, caches %.1f MiB in %d blocks", weight_bytes / 2**20,
                     cache_bytes / 2**20, num_blocks)
         return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "pid": os.getpid()}
@@ -95,9 +105,10 @@ class DraftWorker:
     def _forward(self, req_ids: list[str], start_pos: list[int], num_tokens: list[int], input_ids: list[int],
                  prev_hidden: torch.Tensor) -> torch.Tensor:
         """One MTP forward over packed entries; returns the block outputs ``o [T, hidden]``."""
-        meta = paged_metadata(start_pos, num_tokens, [self.requests[r].block_ids for r in req_ids], self.block_size)
+        ids, meta = draft_inputs(start_pos, num_tokens, input_ids, [self.requests[r].block_ids for r in req_ids],
+                                 self.block_size, self.stager)
         with forward_context(meta):
-            return self.model(torch.tensor(input_ids, dtype=torch.int64), meta.positions, prev_hidden)
+            return self.model(ids, meta.positions, prev_hidden)
 
     def _draft(self, req_ids: list[str], output_indices: list[int], out: torch.Tensor,
                drafts: dict[str, tuple[list, list]]) -> list[int]:
@@ -123,20 +134,21 @@ class DraftWorker:
         lengths = [len(s.token_ids) for s in scheduled]
         assert batch.hidden_states.shape[0] == sum(lengths), \
             f"{batch.hidden_states.shape[0]} hidden rows for {sum(lengths)} entries"
+        hidden = batch.hidden_states.to(self.device, self.dtype)     # the target's h_t, sent as float32
         out = self._forward([s.req_id for s in scheduled], [s.start_pos for s in scheduled], lengths,
-                            [t for s in scheduled for t in s.token_ids], batch.hidden_states)
+                            [t for s in scheduled for t in s.token_ids], hidden)
         drafting = [i for i, s in enumerate(scheduled) if s.num_drafts > 0]
         drafts: dict[str, tuple[list, list]] = {scheduled[i].req_id: ([], []) for i in drafting}
         if drafting:
             ends = list(itertools.accumulate(lengths))
-            last_rows = torch.tensor([ends[i] - 1 for i in drafting])
+            last_rows = torch.tensor([ends[i] - 1 for i in drafting], device=self.device)
             chain = out[last_rows]                                         # [N, hidden] o of the last entry
             active = drafting
             tokens = self._draft([scheduled[i].req_id for i in active], [scheduled[i].output_index for i in active],
                                  chain, drafts)
             for step in range(1, max(scheduled[i].num_drafts for i in drafting)):
                 keep = [row for row, i in enumerate(active) if scheduled[i].num_drafts > step]
-                active, chain = [active[row] for row in keep], chain[torch.tensor(keep)]
+                active, chain = [active[row] for row in keep], chain[torch.tensor(keep, device=self.device)]
                 tokens = [tokens[row] for row in keep]
                 req_ids = [scheduled[i].req_id for i in active]
                 # Chained step: position of the last entry + step, token = previous draft, h = previous o.
@@ -145,7 +157,7 @@ class DraftWorker:
                 tokens = self._draft(req_ids, [scheduled[i].output_index + step for i in active], chain, drafts)
         proposals = []
         for req_id, (tokens, probs) in drafts.items():
-            proposals.append(DraftProposal(req_id, tokens, None if probs[0] is None else torch.stack(probs)))
+            proposals.append(DraftProposal(req_id, tokens, None if probs[0] is None else torch.stack(probs).cpu()))
         return DraftResult(proposals)
 
     def shutdown(self) -> None:

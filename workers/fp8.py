@@ -8,15 +8,20 @@ blocks are partial). The real weight is ``W[i, j] = X.weight[i, j] * scale_inv[i
 
 :func:`dequantizing_checkpoint` wraps a checkpoint so that every such weight reads as float32
 (only the requested slice and the scale rows/columns that cover it), and the rest of loading is
-unchanged. Activations are *not* quantized: the engine computes in the runner's dtype with the
-dequantized weights.
+unchanged: the CPU path, where activations are *not* quantized and the engine computes in the
+runner's dtype with the dequantized weights. On GPUs :func:`keep_fp8_weights` first switches the
+linear layers and the routed experts to FP8 storage (their weights stay 1 byte per element and run
+through the block-scaled Triton kernels); layers whose tensor-parallel slices cut a scale block, and
+``kv_b_proj`` (read directly by absorbed MLA decode), are still dequantized.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from torch import nn
 
 from shardserve.workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
 
@@ -145,3 +150,157 @@ def dequantizing_checkpoint(ckpt: Checkpoint, config) -> Checkpoint:
     if method == "fp8" or any(name.endswith(SCALE_SUFFIX) for name in ckpt.names()):
         return Fp8DequantCheckpoint(ckpt, block_size_of(config))
     return ckpt
+
+
+# -- FP8 kept on the GPU ------------------------------------------------------------------------
+
+def _column_aligned(layer, block: tuple[int, int]) -> bool:
+    """Every packed shard starts on a scale-block row, in the checkpoint and in the local weight."""
+    return all(start % block[0] == 0 and offset % block[0] == 0
+               for (_, start, _), offset in zip(layer.shards, layer.offsets))
+
+
+def keep_fp8_weights(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Keep FP8 block-scaled weights in FP8 on the model (the GPU path): linear layers
+    (:func:`keep_fp8_linears`) and routed experts (:func:`keep_fp8_experts`).
+
+    Returns:
+        names of the switched modules.
+    """
+    return keep_fp8_linears(model, raw, block_size) + keep_fp8_experts(model, raw, block_size)
+
+
+def keep_fp8_experts(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Switch :class:`workers.models.moe.FusedExperts` to FP8 storage where every expert tensor has
+    a ``weight_scale_inv`` and the expert's intermediate size is a multiple of the scale block's
+    rows (gate and up rows of the stacked ``w13`` then never share a scale block). A switched
+    module holds ``w13_weight`` / ``w2_weight`` as ``float8_e4m3fn`` and ``w13_weight_scale_inv``
+    ``[E, 2 * I / bo, ceil(H / bi)]`` / ``w2_weight_scale_inv`` ``[E, ceil(H / bo), ceil(I / bi)]``,
+    each filled from its experts' tensors (experts are never split across ranks, so no slice can cut
+    a block), and runs :func:`kernels.fused_moe` on them.
+
+    Returns:
+        names of the switched modules.
+    """
+    from shardserve.workers.models.moe import FusedExperts
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    kept = []
+    for name, experts in model.named_modules():
+        if not isinstance(experts, FusedExperts) or experts.intermediate_size % block_size[0]:
+            continue
+        sources = [src for param_name in ("w13_weight", "w2_weight")
+                   for src, _ in checkpoint_sources(model, f"{name}.{param_name}", raw, getattr(experts, param_name))]
+        if not sources or not all(src[: -len("weight")] + SCALE_SUFFIX in raw for src in sources):
+            continue
+        for param_name in ("w13_weight", "w2_weight"):
+            old = getattr(experts, param_name)
+            rows, cols = old.shape[1:]
+            weight = nn.Parameter(torch.empty(old.shape, dtype=torch.float8_e4m3fn, device=old.device),
+                                  requires_grad=False)
+            scale = nn.Parameter(torch.empty(old.shape[0], math.ceil(rows / block_size[0]),
+                                             math.ceil(cols / block_size[1]), device=old.device), requires_grad=False)
+            weight.checkpoint_parts = old.checkpoint_parts
+            scale.checkpoint_parts = [(part[: -len("weight")] + SCALE_SUFFIX, shard) for part, shard in old.checkpoint_parts]
+            half_rows = rows // 2 if param_name == "w13_weight" else rows   # rows of one checkpoint tensor
+            weight.weight_loader = functools.partial(_load_fp8_expert, raw, half_rows, 1, param_name == "w13_weight")
+            scale.weight_loader = functools.partial(_load_fp8_expert, raw, half_rows, block_size[0],
+                                                    param_name == "w13_weight")
+            setattr(experts, param_name, weight)
+            setattr(experts, f"{param_name}_scale_inv", scale)
+        experts.block_size = block_size
+        kept.append(name)
+    return kept
+
+
+def _load_fp8_expert(raw: Checkpoint, rows: int, rows_per_entry: int, stacked: bool, param: nn.Parameter,
+                     tensor: LazyTensor, shard_id: int) -> None:
+    """Copy one expert tensor (or its scales) raw: ``shard_id`` is ``2 * local expert + (0 gate,
+    1 up)`` for the stacked ``w13``, the local expert for ``w2`` (see ``FusedExperts``)."""
+    name = tensor.name
+    source = raw.require(name)
+    count = math.ceil(rows / rows_per_entry)
+    expert, half = (shard_id // 2, shard_id % 2) if stacked else (shard_id, 0)
+    if source.shape[0] != count or tuple(source.shape[1:]) != tuple(param.shape[2:]):
+        raise CheckpointError(f"{source.file}: tensor {name!r} has shape {list(source.shape)}, expected "
+                              f"{[count, *param.shape[2:]]}")
+    param.data[expert, half * count:(half + 1) * count].copy_(source.load())
+
+
+def keep_fp8_linears(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
+    """Switch column/row-parallel linears to FP8 storage where the checkpoint allows it (GPU path).
+
+    A layer is switched when every checkpoint tensor it reads has a ``weight_scale_inv``, its
+    ``fp8_allowed`` is True, and this rank's slices start on scale-block boundaries (uneven or
+    odd tensor-parallel splits that cut a scale block keep the dequantized weight). A switched layer
+    holds ``weight`` as ``float8_e4m3fn`` and ``weight_scale_inv`` ``[ceil(rows / bo), ceil(cols / bi)]``
+    float32 for its own slice, both filled by their ``weight_loader`` from ``raw``, and runs
+    :func:`kernels.fp8_block_linear` (see :func:`workers.layers.linear.linear`).
+
+    Args:
+        model: built (not yet loaded) model, on any device.
+        raw: the checkpoint without dequantization (FP8 tensors and their scales).
+        block_size: ``(bo, bi)`` of the checkpoint.
+
+    Returns:
+        names of the switched modules.
+    """
+    from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    kept = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) or not layer.fp8_allowed:
+            continue
+        sources = [src for src, _ in checkpoint_sources(model, f"{name}.weight", raw, layer.weight)]
+        if not all(src.endswith(".weight") and src[: -len("weight")] + SCALE_SUFFIX in raw for src in sources):
+            continue
+        column = isinstance(layer, ColumnParallelLinear)
+        if column and not _column_aligned(layer, block_size):
+            continue
+        if not column and layer.local_start % block_size[1]:
+            continue
+        rows, cols = layer.weight.shape
+        device = layer.weight.device
+        layer.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                                    requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(
+            torch.empty(math.ceil(rows / block_size[0]), math.ceil(cols / block_size[1]), device=device),
+            requires_grad=False)
+        layer.block_size = block_size
+        loader = _load_fp8_column if column else _load_fp8_row
+        layer.weight.weight_loader = functools.partial(loader, layer, raw, False)
+        layer.weight_scale_inv.weight_loader = functools.partial(loader, layer, raw, True)
+        kept.append(name)
+    return kept
+
+
+def _load_fp8_column(layer, raw: Checkpoint, is_scale: bool, param: nn.Parameter, tensor: LazyTensor,
+                     shard_id: int = 0) -> None:
+    """Copy packed shard ``shard_id``'s rows (or their scale rows) from the raw checkpoint."""
+    full, start, size = layer.shards[shard_id]
+    offset = layer.offsets[shard_id]
+    name = tensor.name if tensor.name.endswith(SCALE_SUFFIX) else tensor.name[: -len("weight")] + SCALE_SUFFIX
+    if not is_scale:
+        source = raw.require(tensor.name)
+        source.check_shape((full, layer.in_features))
+        param.data[offset:offset + size].copy_(source[start:start + size])
+        return
+    block_rows = layer.block_size[0]
+    source = raw.require(name, (math.ceil(full / block_rows), math.ceil(layer.in_features / layer.block_size[1])))
+    count = math.ceil(size / block_rows)
+    param.data[offset // block_rows:offset // block_rows + count].copy_(source[start // block_rows:start // block_rows + count])
+
+
+def _load_fp8_row(layer, raw: Checkpoint, is_scale: bool, param: nn.Parameter, tensor: LazyTensor,
+                  shard_id: int = 0) -> None:
+    """Copy this rank's columns (or their scale columns) from the raw checkpoint."""
+    start, size = layer.local_start, layer.local_size
+    if not is_scale:
+        source = raw.require(tensor.name, (layer.out_features, layer.in_features))
+        param.data.copy_(source[:, start:start + size])
+        return
+    block_rows, block_cols = layer.block_size
+    name = tensor.name if tensor.name.endswith(SCALE_SUFFIX) else tensor.name[: -len("weight")] + SCALE_SUFFIX
+    source = raw.require(name, (math.ceil(layer.out_features / block_rows), math.ceil(layer.in_features / block_cols)))
+    param.data.copy_(source[:, start // block_cols:start // block_cols + math.ceil(size / block_cols)])

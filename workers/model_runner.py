@@ -2,7 +2,12 @@
 
 Common path only (vLLM V2 runner's rule): turn a :class:`StepPlan` into packed input tensors and
 attention metadata, run the forward, compute logits for the rows that sample, and (rank 0) sample.
-Features live in helpers: the sampler, the cache allocator, the model classes.
+Everything a step touches lives on the runner's device (``cuda`` or ``cpu``, one code path): the
+weights, the KV / indexer caches, the step's inputs (one host-to-device copy) and the sampler's
+generators; only the sampled token ids (and logprobs, logits or hidden states when asked) come back.
+Features live in helpers: the sampler, the model classes, ``workers/device.py`` (device, dtype and
+memory rules), ``workers/step_inputs.py`` (input layout and upload), ``workers/memory_profile.py``
+(KV sizing on CUDA) and ``workers/cuda_graphs.py`` (captured decode steps).
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.workers.checkpoint import GGUFCheckpoint, open_checkpoint
+from shardserve.workers.device import (DeviceConfigError, MemoryPlan, check_weights_fit, cpu_cache_plan, gib,
+                                       resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
-from shardserve.workers.quantization import WeightFormat, resolve_cpu_dtype, weight_format_for
+from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
 
 logger = logging.getLogger(__name__)
@@ -27,23 +35,37 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RunnerConfig:
-    """How a runner builds its model and cache (same on every rank)."""
+    """How a runner builds its model and cache (same on every rank; ``auto`` resolved on the rank)."""
 
     block_size: int = 16                 # tokens per KV block
-    kv_cache_bytes: int = 1 << 30        # cache budget on this rank, bytes
-    num_blocks: int | None = None        # overrides kv_cache_bytes when set
+    kv_cache_bytes: int = 1 << 30        # cache budget of a CPU rank, bytes
+    num_blocks: int | None = None        # overrides the budget when set
     tensor_split: list[float] | None = None
-    dtype: str = "auto"                  # auto | bfloat16 | float16 | float32 (workers/quantization.py)
-    quantization: str = "none"           # none | int8 | int4: pack float weights at load time
+    device: str = "auto"                 # "auto" (cuda when this rank sees a GPU), "cuda" or "cpu"
+    dtype: str = "auto"                  # "auto" (bfloat16 on cuda; cpu: workers/device.py), "bfloat16", "float16", "float32"
+    quantization: str = "none"           # "none", "int8", "int4": pack a float checkpoint's weights (CPU)
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU this rank may use (weights, activations, caches)
+    enforce_eager: bool = False          # no decode graphs on CUDA
+    decode_graphs: str = "auto"          # "auto": CUDA graphs on CUDA unless enforce_eager; "replay": the
+                                         # eager stand-in on any device (tests, dry runs); "off"
+    max_num_seqs: int = 64               # largest decode batch (graph sizes, profiling)
+    max_num_batched_tokens: int = 2048   # largest step (profiling)
+    max_model_len: int | None = None     # longest sequence (graph table width, profiling); None = the model's
     seed: int = 0                        # seed of the generator for unseeded requests
 
 
-def weight_format_of(ckpt, dtype: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
-    """Compute dtype and weight format of a run on CPU (the ``--dtype auto`` rule is
-    :func:`workers.quantization.resolve_cpu_dtype`)."""
+def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
+    """Compute dtype and weight format of a rank (``--dtype auto`` on CPU looks at the GGUF
+    file's types: :func:`workers.device.resolve_dtype`; packed weights are CPU-only).
+
+    Raises:
+        DeviceConfigError: ``--quantization`` on a CUDA rank.
+    """
     is_gguf = isinstance(ckpt, GGUFCheckpoint)
-    resolved = resolve_cpu_dtype(dtype, ckpt.matrix_types() if is_gguf else None, quantization)
-    return resolved, weight_format_for(resolved, quantization, is_gguf)
+    if quantization != "none" and device != "cpu":
+        raise DeviceConfigError(f"--quantization {quantization} runs on CPU ranks only (this rank: {device})")
+    resolved = resolve_dtype(dtype, device, ckpt.matrix_types() if is_gguf else None, quantization)
+    return resolved, weight_format_for(resolved, quantization, is_gguf) if device == "cpu" else None
 
 
 def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
@@ -52,16 +74,20 @@ def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
                for shape, dtype in layer.cache_spec(num_blocks, block_size))
 
 
-def allocate_caches(layers, num_blocks: int, block_size: int) -> int:
-    """Give every layer zero-filled cache tensors as its ``cache_spec`` asks; returns their bytes.
+def allocate_caches(layers, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> int:
+    """Give every layer zero-filled cache tensors on ``device`` as its ``cache_spec`` asks; returns their bytes.
 
-    All of them are views of one anonymous ``mmap``: the OS hands out zero pages that become
+    On CPU they are views of one anonymous ``mmap``: the OS hands out zero pages that become
     resident only when a block is first written (``torch.zeros`` writes every byte, making the
     worst-case cache resident at start; numpy's ``zeros`` asks for 2 MiB huge pages, so each
     layer's first token made 4 MiB resident)."""
+    specs = [layer.cache_spec(num_blocks, block_size) for layer in layers]
+    if torch.device(device).type != "cpu":
+        for layer, spec in zip(layers, specs):
+            layer.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in spec)
+        return cache_bytes(layers, num_blocks, block_size)
     import mmap
 
-    specs = [layer.cache_spec(num_blocks, block_size) for layer in layers]
     sizes = [math.prod(shape) * dtype.itemsize for spec in specs for shape, dtype in spec]
     buffer = torch.frombuffer(mmap.mmap(-1, max(1, sum(-(-size // 64) * 64 for size in sizes))), dtype=torch.uint8)
     offset = 0
@@ -96,33 +122,99 @@ def apply_request_diffs(requests: dict[str, RequestState], finished_req_ids, new
 
 
 class ModelRunner:
-    """Owns this rank's model shard and KV cache.
+    """Owns this rank's model shard and KV cache, on one device.
 
     Args:
         files: resolved model files.
         hf_config: transformers config of the model.
-        config: cache/parallel settings.
+        config: cache/parallel/device settings.
 
     Attributes:
-        num_blocks: KV blocks allocated on this rank.
-        weight_bytes / cache_bytes: memory held by weights and by the KV cache on this rank.
+        device / dtype: where and in what the rank computes.
+        num_blocks: KV blocks allocated on this rank (the coordinator's pool; with decode graphs one
+            more scratch block follows them).
+        weight_bytes / cache_bytes: memory held by weights and by the caches on this rank.
+        memory: the rank's :class:`workers.device.MemoryPlan` (weights, activations, cache budget).
+
+    Raises:
+        DeviceConfigError: ``--device cuda`` on a rank without a GPU.
+        DoesNotFitError: the weights, the profiling forward or one cache block do not fit.
     """
 
     def __init__(self, files: ModelFiles, hf_config, config: RunnerConfig, progress: bool = True) -> None:
         self.config = config
         self.hf_config = hf_config
+        self.device = torch.device(resolve_device(config.device))
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         ckpt = open_checkpoint(files.path)
-        self.dtype, weight_format = weight_format_of(ckpt, config.dtype, config.quantization)
-        self.model, self.weight_bytes = build_model(hf_config, ckpt, config.tensor_split, self.dtype, progress,
-                                                    weight_format)
-        del ckpt
+        self.dtype, weight_format = weight_format_of(ckpt, config.dtype, self.device.type, config.quantization)
         self.block_size = config.block_size
+        model_len = getattr(hf_config, "max_position_embeddings", 4096)   # the RoPE table's length
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.memory: MemoryPlan | None = None
+        self.model, self.weight_bytes = build_model(
+            hf_config, ckpt, config.tensor_split, self.dtype, progress, device=self.device,
+            keep_fp8=self.device.type == "cuda", before_load=self._check_fits, weight_format=weight_format)
+        del ckpt
+        if self.memory is not None and weight_format is not None:
+            self.memory.weights = self.weight_bytes   # the meta-device estimate counted them unpacked
         self.requests: dict[str, RequestState] = {}
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.stager = DeviceStager(self.device)
         self.num_blocks, self.cache_bytes = 0, 0
+        self.graphs = None
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
+        if self.device.type == "cuda" and config.num_blocks is None:
+            self.profile_memory()
         if config.num_blocks is not None:
             self.allocate_kv_cache(config.num_blocks)
+
+    # -- memory -------------------------------------------------------------------------------
+    @property
+    def graph_backend(self) -> str | None:
+        """``"cuda"``, ``"replay"`` or None (eager decode), from ``config.decode_graphs``."""
+        mode = self.config.decode_graphs
+        if mode == "replay":
+            return "replay"
+        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda":
+            return None
+        from shardserve.kernels.dispatch import use_triton
+
+        # The torch references sync with the host (data-dependent shapes): not capturable.
+        return "cuda" if use_triton(torch.empty(0, device=self.device)) else None
+
+    def _check_fits(self, meta_model, weight_bytes: int) -> None:
+        """Before any weight is read: this rank's weights (and on CPU its cache budget) must fit."""
+        per_block = cache_bytes(meta_model.attention_layers(), 1, self.block_size)
+        if self.device.type == "cpu":
+            budget = (self.config.num_blocks * per_block if self.config.num_blocks is not None
+                      else self.config.kv_cache_bytes)
+            self.memory = cpu_cache_plan(budget, weight_bytes)
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        util = self.config.gpu_memory_utilization
+        in_use = total - free
+        check_weights_fit(weight_bytes, int(util * total) - in_use,
+                          f"--gpu-memory-utilization {util} of {gib(total)} on {self.device} with {gib(in_use)} "
+                          "already in use", "use more tensor-parallel ranks or a smaller --dtype")
+
+    def profile_memory(self) -> MemoryPlan:
+        """Profile one worst-case forward and set :attr:`memory` (CUDA: vLLM's rule; CPU: the
+        forward runs, nothing is measured)."""
+        from shardserve.workers.memory_profile import measure_cuda, profile_forward
+
+        cfg = self.config
+        allocate = lambda layers, blocks: allocate_caches(layers, blocks, self.block_size, self.device)  # noqa: E731
+        limits = (cfg.max_num_batched_tokens, self.max_model_len, cfg.max_num_seqs)
+        if self.device.type == "cuda":
+            self.memory = measure_cuda(self.model, self.device, cfg.gpu_memory_utilization, self.bytes_per_block,
+                                       self.block_size, *limits, allocate)
+        else:
+            profile_forward(self.model, self.device, self.block_size, *limits, allocate)
+        logger.info("rank %d memory: %s", get_tp_group().tp_rank, self.memory.summary() if self.memory else "-")
+        return self.memory
 
     @property
     def bytes_per_block(self) -> int:
@@ -130,66 +222,94 @@ class ModelRunner:
         return cache_bytes(self.model.attention_layers(), 1, self.block_size)
 
     def max_num_blocks(self) -> int:
-        """Blocks that fit this rank's budget (``num_blocks`` when set, else ``kv_cache_bytes``)."""
-        return self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.bytes_per_block)
+        """Blocks that fit this rank's budget (``num_blocks`` when set; else the CUDA profile's or
+        the CPU ``kv_cache_bytes`` budget), less the graphs' scratch block."""
+        if self.config.num_blocks:
+            return self.config.num_blocks
+        budget = self.memory.cache if self.device.type == "cuda" else self.config.kv_cache_bytes
+        return max(1, budget // self.bytes_per_block - (self.graph_backend is not None))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks in every layer's cache tensors (every rank gets the same
-        count: the smallest any rank can hold), zero-filled."""
+        """Allocate ``num_blocks`` blocks in every layer's cache tensors on the device (every rank
+        gets the same count: the smallest any rank can hold), zero-filled; then capture the decode
+        graphs, which need the caches' addresses (plus one scratch block for their padded rows)."""
+        backend = self.graph_backend
         self.num_blocks = num_blocks
-        self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks, self.block_size)
-        logger.info("rank %d: weights %.1f MiB, KV cache %.1f MiB in %d blocks of %d tokens",
-                    get_tp_group().tp_rank, self.weight_bytes / 2**20, self.cache_bytes / 2**20,
-                    self.num_blocks, self.block_size)
+        self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks + (backend is not None),
+                                           self.block_size, self.device)
+        memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
+        logger.info("rank %d on %s (%s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in %d blocks of %d "
+                    "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
+                    memory.weights / 2**20, memory.activation / 2**20, self.cache_bytes / 2**20, num_blocks,
+                    self.block_size)
+        if backend is not None:
+            from shardserve.workers.cuda_graphs import DecodeGraphs
 
+            self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs, self.max_model_len,
+                                       self.block_size, num_blocks, backend)
+            self.graphs.capture()
+
+    def memory_info(self) -> dict:
+        """Bytes per rank for the coordinator's log: weights, activations, other, cache."""
+        memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "weights": memory.weights or self.weight_bytes, "activation": memory.activation,
+                "other": memory.other, "cache": self.cache_bytes}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the runner keeps between steps: parameters, buffers, cache tensors, the
+        decode graphs' fixed buffers and the last hidden states."""
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        for idx, layer in enumerate(self.model.attention_layers()):
+            named += [(f"cache.{idx}.{i}", t) for i, t in enumerate(layer.kv_cache or ())]
+        if self.graphs is not None:
+            named += [(f"graphs.{name}", t) for name, t in self.graphs.named_tensors()]
+        if self.last_hidden_states is not None:
+            named.append(("last_hidden_states", self.last_hidden_states))
+        return named
+
+    def tensors_off_device(self, *extra: tuple[str, torch.Tensor]) -> list[str]:
+        """``"name: device"`` of every tensor of :meth:`named_tensors` (and ``extra``) that is not on
+        the runner's device, plus the sampler's generator; empty when everything is in place."""
+        wrong = [f"{name}: {t.device}" for name, t in [*self.named_tensors(), *extra] if t.device != self.device]
+        if self.generator.device != self.device:
+            wrong.append(f"generator: {self.generator.device}")
+        return wrong
+
+    # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
 
+    def _host_batch(self, plan: StepPlan) -> HostBatch:
+        return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
+                                self.block_size)
+
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        input_ids, positions, query_start, seq_lens, logits_rows = [], [], [0], [], []
-        for sched in plan.scheduled:
-            num = len(sched.token_ids)
-            input_ids.extend(sched.token_ids)
-            positions.extend(range(sched.start_pos, sched.start_pos + num))
-            query_start.append(query_start[-1] + num)
-            seq_lens.append(sched.start_pos + num)
-            if sched.sample:   # the last row, and one more per draft token being verified
-                logits_rows.extend(range(query_start[-1] - 1 - sched.num_spec_tokens, query_start[-1]))
-        tables = [self.requests[s.req_id].block_ids for s in plan.scheduled]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(tables)),
-                                               torch.tensor([len(s.token_ids) for s in plan.scheduled]))
-        blocks = block_tables[seq_of_token, positions_t // self.block_size].long()
-        meta = AttentionMetadata(
-            slot_mapping=blocks * self.block_size + positions_t % self.block_size,
-            positions=positions_t,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            block_tables=block_tables,
-            max_query_len=max(len(s.token_ids) for s in plan.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return torch.tensor(input_ids, dtype=torch.int64), meta, torch.tensor(logits_rows, dtype=torch.int64)
+        """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
+        return device_batch(self._host_batch(plan), self.stager)
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
-        """Apply ``plan`` and run the forward; float32 logits ``[rows, vocab]``, one row per sampling
-        request plus one per draft token it verifies."""
+        """Apply ``plan`` and run the forward; float32 logits ``[rows, vocab]`` on the device, one
+        row per sampling request plus one per draft token it verifies. Pure decode steps replay a
+        captured graph when there is one for their (padded) batch size."""
         self._apply_plan(plan)
         self.last_hidden_states = None
         if not plan.scheduled:
-            return torch.empty(0, self.hf_config.vocab_size)
-        input_ids, meta, logits_rows = self._prepare_inputs(plan)
-        with forward_context(meta):
-            hidden = self.model(input_ids, meta.positions)
+            return torch.empty(0, self.hf_config.vocab_size, device=self.device)
+        host = self._host_batch(plan)
+        if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
+            hidden, rows = self.graphs.run(host, self.stager), None
+        else:
+            input_ids, meta, rows = device_batch(host, self.stager)
+            with forward_context(meta):
+                hidden = self.model(input_ids, meta.positions)
         if plan.return_hidden:
-            self.last_hidden_states = hidden
-        return self.model.compute_logits(hidden[logits_rows])
+            self.last_hidden_states = hidden.clone() if rows is None else hidden
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step. Rank 0 returns the sampled tokens; other ranks return None."""
+        """Run one step. Rank 0 returns the sampled tokens (host data); other ranks return None."""
         logits = self.compute_logits(plan)
         if get_tp_group().tp_rank != 0:
             return None
@@ -200,4 +320,6 @@ class ModelRunner:
         else:
             tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
-        return StepResult(sampled, logits if plan.return_logits else None, self.last_hidden_states)
+        hidden = self.last_hidden_states
+        return StepResult(sampled, logits.cpu() if plan.return_logits else None,
+                          None if hidden is None else hidden.float().cpu())

@@ -17,8 +17,8 @@ GGUF block formats (ggml ``ggml-common.h``; ``gguf`` package ``quants.py``), 32 
   ``s = max|w_row| / 127`` (error at most ``s / 2`` per weight; 1.2 % relative RMS on
   SmolLM2's embedding), from the whole row, so every tensor-parallel slice holds the same values.
 
-The rule for ``--dtype auto`` on CPU (:func:`resolve_cpu_dtype`): bfloat16 compute with packed
-weights when most of a GGUF file's matrix weights are Q4_0 / Q4_1 / Q8_0, float32 otherwise.
+The rule for ``--dtype auto`` on CPU is :func:`workers.device.resolve_dtype`: bfloat16 compute with
+packed weights when most of a GGUF file's matrix weights are Q4_0 / Q4_1 / Q8_0, float32 otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 
 GROUP_SIZE = 32
 PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -145,34 +144,6 @@ def decode_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Quantiz
         zeros = blocks[..., 2:4].view(np.float16)[..., 0].astype(np.float32) + 8 * d
     d, zeros = torch.from_numpy(d), torch.from_numpy(zeros)
     return QuantizedWeight("int4", codes, d, zeros, GROUP_SIZE)
-
-
-def resolve_cpu_dtype(dtype: str, gguf_types: dict[str, int] | None, quantization: str = "none") -> torch.dtype:
-    """The compute dtype on CPU for ``--dtype``.
-
-    Args:
-        dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``.
-        gguf_types: for a GGUF file, elements of its 2-D weights per GGUF type name; None otherwise.
-        quantization: ``none``, ``int8`` or ``int4``.
-
-    Returns:
-        ``auto``: bfloat16 when most matrix weights of a GGUF file are Q4_0/Q4_1/Q8_0 or
-        ``quantization`` is on (the packed kernels' fast path), else float32.
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-        return DTYPES[dtype]
-    if quantization != "none":
-        return torch.bfloat16
-    if gguf_types:
-        packed = sum(n for name, n in gguf_types.items() if name in PACKED_GGUF_TYPES)
-        if 2 * packed > sum(gguf_types.values()):
-            return torch.bfloat16
-    return torch.float32
 
 
 @dataclass(slots=True)

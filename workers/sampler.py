@@ -29,10 +29,12 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant; spreads (seed, index) over t
 DRAFT_STREAM = 0x5851F42D4C957F2D  # offset of the draft model's seeded streams from the target's
 
 
-def seeded_generator(seed: int, output_index: int, stream: int = 0) -> torch.Generator:
-    """A CPU generator for output token ``output_index`` of a request seeded with ``seed``
-    (``stream=DRAFT_STREAM``: the draft model's generator for that token)."""
-    return torch.Generator().manual_seed((seed * _MIX + output_index + stream) % (1 << 63))
+def seeded_generator(seed: int, output_index: int, stream: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` for output token ``output_index`` of a request seeded with ``seed``
+    (``stream=DRAFT_STREAM``: the draft model's generator for that token). CUDA and CPU generators
+    draw different streams from one seed: a seed reproduces tokens on the same kind of device."""
+    return torch.Generator(device=device).manual_seed((seed * _MIX + output_index + stream) % (1 << 63))
 
 
 def is_greedy(option: SamplingOptions) -> bool:
@@ -70,10 +72,12 @@ def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
     Returns:
         ``[N, V]`` float32 probabilities (zero outside each row's kept set).
     """
-    scaled = logits / torch.tensor([o.temperature for o in options])[:, None]
+    device = logits.device
+    scaled = logits / torch.tensor([o.temperature for o in options], device=device)[:, None]
     if any(o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 for o in options):
-        scaled = filter_logits(scaled, torch.tensor([o.top_k for o in options]),
-                               torch.tensor([o.top_p for o in options]), torch.tensor([o.min_p for o in options]))
+        scaled = filter_logits(scaled, torch.tensor([o.top_k for o in options], device=device),
+                               torch.tensor([o.top_p for o in options], device=device),
+                               torch.tensor([o.min_p for o in options], device=device))
     return scaled.softmax(dim=-1)
 
 
@@ -100,16 +104,17 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices:
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, o in enumerate(options) if o.temperature > _GREEDY_EPS]
     if random_rows:
-        idx = torch.tensor(random_rows)
+        idx = torch.tensor(random_rows, device=logits.device)
         opts = [options[i] for i in random_rows]
         probs = sampling_probs(logits[idx], opts)
         noise = torch.empty_like(probs)
         unseeded = [row for row, o in enumerate(opts) if o.seed is None]
         if unseeded:   # one draw for all rows that share the engine's generator
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=generator)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=generator)
         for row, (i, o) in enumerate(zip(random_rows, opts)):
             if o.seed is not None:   # a seeded row's noise depends only on (seed, output index)
-                noise[row].exponential_(generator=seeded_generator(o.seed, output_indices[i]))
+                noise[row].exponential_(generator=seeded_generator(o.seed, output_indices[i], device=logits.device))
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want_logprobs = any(o.logprobs is not None for o in options)
     logprobs = logits.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
@@ -119,18 +124,30 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices:
 
 def sampled_tokens(req_ids: list[str], tokens: list[int], logprobs: torch.Tensor,
                    options: list[SamplingOptions]) -> list[SampledToken]:
-    """Pack sampler output with the logprobs each request asked for."""
+    """Pack sampler output with the logprobs each request asked for.
+
+    The chosen tokens' logprobs and every row's top-N are picked on the logits' device and cross
+    to the host in one transfer (not one per row).
+    """
+    wanted = [row for row, opt in enumerate(options) if opt.logprobs is not None]
+    chosen: list[float] = []
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    if wanted:
+        rows = logprobs[torch.tensor(wanted, device=logprobs.device)]                # [W, V]
+        picked = rows.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=rows.device))
+        width = max(options[r].logprobs for r in wanted)
+        values, ids = rows.topk(width, dim=-1) if width else (rows[:, :0], rows[:, :0].long())
+        host = torch.cat((picked, values), dim=1).cpu()                               # [W, 1 + width]
+        chosen, top_values, top_ids = host[:, 0].tolist(), host[:, 1:].tolist(), ids.cpu().tolist()
     out = []
+    slot = {row: i for i, row in enumerate(wanted)}
     for row, (req_id, token, opt) in enumerate(zip(req_ids, tokens, options)):
         if opt.logprobs is None:
             out.append(SampledToken(req_id, token))
             continue
-        row_lp = logprobs[row]
-        top = []
-        if opt.logprobs > 0:
-            values, ids = row_lp.topk(opt.logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
-        out.append(SampledToken(req_id, token, float(row_lp[token]), top))
+        i, count = slot[row], opt.logprobs
+        out.append(SampledToken(req_id, token, chosen[i], list(zip(top_ids[i][:count], top_values[i][:count]))))
     return out
 
 
@@ -149,10 +166,10 @@ def draft_sample(logits: torch.Tensor, options: list[SamplingOptions], output_in
     tokens, probs = logits.argmax(dim=-1).tolist(), [None] * logits.shape[0]
     random_rows = [i for i, o in enumerate(options) if not is_greedy(o)]
     if random_rows:
-        q = sampling_probs(logits[torch.tensor(random_rows)], [options[i] for i in random_rows])
+        q = sampling_probs(logits[torch.tensor(random_rows, device=logits.device)], [options[i] for i in random_rows])
         for row, i in enumerate(random_rows):
             seed = options[i].seed
-            gen = generator if seed is None else seeded_generator(seed, output_indices[i], DRAFT_STREAM)
+            gen = generator if seed is None else seeded_generator(seed, output_indices[i], DRAFT_STREAM, logits.device)
             tokens[i], probs[i] = _race(q[row], gen), q[row]
     return tokens, probs
 
@@ -185,16 +202,17 @@ def verify_drafts(logits: torch.Tensor, option: SamplingOptions, draft_ids: list
     assert draft_probs is not None and draft_probs.shape[0] == num_drafts, "sampled drafts need q"
     probs = sampling_probs(logits, [option] * (num_drafts + 1))
     out = []
+    device = logits.device
     for j, draft in enumerate(draft_ids):
-        gen = generator if option.seed is None else seeded_generator(option.seed, output_index + j)
-        p, q = probs[j], draft_probs[j].to(probs.dtype)
-        if torch.rand((), generator=gen) * q[draft] < p[draft]:      # u < p/q, without dividing by 0
+        gen = generator if option.seed is None else seeded_generator(option.seed, output_index + j, device=device)
+        p, q = probs[j], draft_probs[j].to(device=device, dtype=probs.dtype)
+        if torch.rand((), generator=gen, device=device) * q[draft] < p[draft]:      # u < p/q, without dividing by 0
             out.append(draft)
             continue
         residual = (p - q).clamp_(min=0.0)
         out.append(_race(residual if residual.sum() > 0 else p, gen))
         return out
-    gen = generator if option.seed is None else seeded_generator(option.seed, output_index + num_drafts)
+    gen = generator if option.seed is None else seeded_generator(option.seed, output_index + num_drafts, device=device)
     out.append(_race(probs[num_drafts], gen))
     return out
 
@@ -223,7 +241,7 @@ def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], o
     per_request: list[list[SampledToken]] = [[] for _ in sampling]
     if plain:
         opts = [options[i] for i in plain]
-        tokens, logprobs = sample(logits[torch.tensor([starts[i] for i in plain])], opts,
+        tokens, logprobs = sample(logits[torch.tensor([starts[i] for i in plain], device=logits.device)], opts,
                                   [sampling[i].output_index for i in plain], generator)
         for i, out in zip(plain, sampled_tokens([sampling[i].req_id for i in plain], tokens, logprobs, opts)):
             per_request[i] = [out]

@@ -67,30 +67,71 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> i
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model)
 
 
+def _construct(config, tensor_split: list[float] | None, dtype: torch.dtype, device: torch.device | str,
+               raw: Checkpoint, keep_fp8: bool) -> nn.Module:
+    """The model class for ``config``, its parameters created on ``device`` (not loaded)."""
+    from shardserve.workers.fp8 import block_size_of, keep_fp8_weights
+    from shardserve.workers.models.registry import model_class
+
+    with torch.device(device):
+        model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)
+    if keep_fp8:
+        keep_fp8_weights(model, raw, block_size_of(config))
+    return model
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (shared tensors counted once; meta tensors too)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
 @torch.no_grad()
 def build_model(config, ckpt: Checkpoint, tensor_split: list[float] | None = None,
-                dtype: torch.dtype = torch.float32, progress: bool = True,
+                dtype: torch.dtype = torch.float32, progress: bool = True, device: torch.device | str = "cpu",
+                keep_fp8: bool = False, before_load=None,
                 weight_format: WeightFormat | None = None) -> tuple[nn.Module, int]:
-    """Construct the model class for ``config`` and load this rank's weights.
+    """Construct the model class for ``config`` on ``device`` and load this rank's weights.
+
+    The model is first built on the ``meta`` device (no memory) so ``before_load(meta_model,
+    weight_bytes)`` can check that this rank's weights fit before any is read; then it is built
+    on ``device`` directly (no host copy of the weights) and filled from ``ckpt``.
 
     Args:
-        weight_format: keep / make weights packed for the CPU kernels (None: float weights).
+        config: the HF config (with serving switches).
+        ckpt: the checkpoint; FP8 block-scaled weights are dequantized on read, except those of
+            the layers and experts :func:`workers.fp8.keep_fp8_weights` switches when ``keep_fp8``.
+        tensor_split: relative per-rank shares (None = even).
+        dtype: parameter dtype.
+        device: where parameters and buffers live.
+        keep_fp8: keep FP8 block-scaled linear weights in FP8 (the GPU path).
+        before_load: optional ``callable(meta_model, weight_bytes)``; raises to stop.
+        weight_format: keep / make weights packed for the CPU kernels (None: float weights;
+            ``workers/layers/quantized.py``).
 
     Returns:
         ``(model in eval mode, weight bytes on this rank)``.
     """
-    from shardserve.workers.fp8 import dequantizing_checkpoint
+    from shardserve.workers.fp8 import Fp8DequantCheckpoint, dequantizing_checkpoint
     from shardserve.workers.layers.quantized import apply_weight_format
-    from shardserve.workers.models.registry import model_class
 
-    ckpt = dequantizing_checkpoint(ckpt, config)  # FP8 block-scaled weights read as float32
-    model = model_class(config)(config, tensor_split=tensor_split, dtype=dtype)
+    raw = ckpt
+    ckpt = dequantizing_checkpoint(raw, config)  # FP8 block-scaled weights read as float32
+    keep_fp8 = keep_fp8 and isinstance(ckpt, Fp8DequantCheckpoint)
+    if before_load is not None:
+        meta = _construct(config, tensor_split, dtype, "meta", raw, keep_fp8)
+        before_load(meta, module_bytes(meta))
+    model = _construct(config, tensor_split, dtype, device, raw, keep_fp8)
     if weight_format is not None:
         apply_weight_format(model, weight_format)
     weight_bytes = load_weights(model, ckpt, progress)
-    del ckpt
+    del ckpt, raw
     _return_freed_memory()
-    return model.eval(), weight_bytes
+    return model.to(device).eval(), weight_bytes   # .to: buffers made on the CPU (RoPE tables)
 
 
 def _return_freed_memory() -> None:

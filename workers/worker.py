@@ -69,6 +69,7 @@ class ShardWorker:
         elif kind == "nccl":
             from shardserve.workers.comm_nccl import CupyNcclGroup
 
+            torch.cuda.set_device(0)   # Ray's CUDA_VISIBLE_DEVICES: this actor's GPU is device 0
             self.group = CupyNcclGroup(self.tp_rank, self.tp_size, info["unique_id"])
         else:
             raise ValueError(f"unknown collective backend {kind!r}")
@@ -78,15 +79,20 @@ class ShardWorker:
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid"}`` for the coordinator,
-            which then calls :meth:`allocate_kv_cache` with the smallest block count of any rank.
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "memory"}`` for the
+            coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block count
+            of any rank (``memory``: :meth:`ModelRunner.memory_info`).
+
+        Raises:
+            DeviceConfigError / DoesNotFitError: (``ValueError``) no GPU for ``--device cuda``, or
+                the model does not fit this rank's device.
         """
         self.runner = ModelRunner(files, hf_config, config, progress=False)
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid()}
+                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "memory": self.runner.memory_info()}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Allocate the paged caches; returns their bytes on this rank."""
+        """Allocate the paged caches (and capture the decode graphs); returns the caches' bytes on this rank."""
         self.runner.allocate_kv_cache(num_blocks)
         return self.runner.cache_bytes
 

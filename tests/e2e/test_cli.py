@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +40,9 @@ def test_generate_bad_argument_is_a_clear_error():
     ("generate", ["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
     ("serve-grpc", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
     ("serve", ["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+    ("generate", ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
+    ("serve-grpc", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    ("serve", ["--gpu-memory-utilization", "-0.1"], "--gpu-memory-utilization must be in (0, 1], got -0.1"),
 ])
 def test_bad_engine_settings_are_rejected_before_anything_starts(command, bad, message):
     exe = Path(sys.executable).parent / "shardserve"
@@ -55,6 +61,67 @@ def test_quantization_of_a_gguf_file_is_refused_before_loading(command, smollm2_
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "applies to float checkpoints" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+def _one_line_error(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("shardserve: error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_a_clear_error(smollm2_files):
+    exe = Path(sys.executable).parent / "shardserve"
+    proc = subprocess.run([str(exe), "generate", "--device", "cuda", "--prompt", "hi"], capture_output=True, text=True,
+                          timeout=120)
+    assert "--device cuda: no CUDA GPU is visible" in _one_line_error(proc)
+    assert "loading weights" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("command", ["serve-grpc", "serve", "generate"])
+def test_cluster_device_cuda_without_gpus_is_a_clear_error(command):
+    """Checked before a local Ray cluster starts; names the GPUs needed and found."""
+    exe = Path(sys.executable).parent / "shardserve"
+    args = [str(exe), command, "--device", "cuda", "-tp", "2"] + (["--prompt", "hi"] if command == "generate" else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert "--device cuda: 2 worker(s) x 1 GPU need 2 GPUs; this machine has 0" in _one_line_error(proc)
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error(tmp_path):
+    """A checkpoint whose config asks for ~3 TiB of weights: refused before any weight is read,
+    naming the sizes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_checkpoints import write_tiny_llama
+
+    write_tiny_llama(tmp_path, tokenizer=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(hidden_size=16384, intermediate_size=65536, num_hidden_layers=400, num_attention_heads=128,
+                  num_key_value_heads=8, vocab_size=256000)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    exe = Path(sys.executable).parent / "shardserve"
+    proc = subprocess.run([str(exe), "generate", "--model", str(tmp_path), "--prompt", "w005", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    line = _one_line_error(proc)
+    assert re.search(r"the model does not fit in host memory: weights \d+\.\d\d GiB \+ KV cache 1\.00 GiB exceed "
+                     r"the \d+\.\d\d GiB available", line), line
+
+
+@pytest.mark.ray
+def test_generate_tensor_parallel_equals_one_rank(tmp_path):
+    """``generate -tp 2`` (a local Ray cluster, two shard workers, shared-memory all-reduce) prints
+    the greedy completion of the in-process run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_checkpoints import write_tiny_llama
+
+    write_tiny_llama(tmp_path, tokenizer=True)
+    exe = Path(sys.executable).parent / "shardserve"
+    args = [str(exe), "generate", "--model", str(tmp_path), "--prompt", "w005 w017 w033", "--max-tokens", "12",
+            "--device", "cpu", "--dtype", "float32"]
+    one = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(args + ["-tp", "2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert len(one.stdout.split()) == 12 and two.stdout == one.stdout
 
 
 def test_default_model_is_reused_from_the_cache(smollm2_files, monkeypatch):

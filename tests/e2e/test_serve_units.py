@@ -145,6 +145,11 @@ def test_app_arguments():
         ServeArgs.from_dict({"indexer_cache_dtype": "fp4"})
     with pytest.raises(FileNotFoundError, match="not a known model name"):
         build_app({"model": "/no/such/model.gguf"})
+    gpu = ServeArgs.from_dict({"tensor_parallel_size": 2, "device": "cuda", "dtype": "bfloat16"})
+    assert gpu.replica_bundles() == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert gpu.engine_args().dtype == "bfloat16" and gpu.group_config().device == "cuda"
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        ServeArgs.from_dict({"gpu_memory_utilization": 1.2})
 
 
 def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():

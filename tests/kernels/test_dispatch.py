@@ -30,6 +30,8 @@ OPS = {
     "fused_moe": ("shardserve.kernels.fused_moe", "fused_moe_ref", "shardserve.kernels.fused_moe_triton", "fused_moe_triton"),
     "hadamard_transform": ("shardserve.kernels.hadamard", "hadamard_transform_ref", "shardserve.kernels.hadamard_triton",
                            "hadamard_transform_triton"),
+    "fp8_block_linear": ("shardserve.kernels.fp8_linear", "fp8_block_linear_ref", "shardserve.kernels.fp8_linear_triton",
+                         "fp8_block_linear_triton"),
 }
 
 

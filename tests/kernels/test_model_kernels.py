@@ -16,16 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from plan_driver import PlanDriver, make_runner  # noqa: E402
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-
-
-def write_tiny_llama(path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(config).save_pretrained(str(path))
+from tiny_checkpoints import write_tiny_checkpoint, write_tiny_llama  # noqa: E402
 
 
 # Triton entry points each architecture must call: (module in kernels/, function).

@@ -123,6 +123,24 @@ def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, *, mtp: bo
     return model
 
 
+def write_tiny_llama(path: str | Path, seed: int = 0, tokenizer: bool = False, **overrides):
+    """A tiny ``LlamaForCausalLM`` (GQA 4/2 heads, 2 layers) with re-drawn weights, saved to ``path``
+    as safetensors; returns the transformers model (the oracle)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False), **overrides})
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).float().eval()
+    _redraw(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(str(path))
+    if tokenizer:
+        write_tiny_tokenizer(path, config.vocab_size)
+    return model
+
+
 def mtp_block_model(arch: str, seed: int = 0, **overrides):
     """The one-layer transformers model whose layer 0 is the MTP block of a checkpoint written with
     ``mtp=True`` (same ``seed`` and ``overrides``): MoE MLP, own DSA indexer when ``arch`` has one."""

@@ -15,7 +15,9 @@ from transformers import LlamaConfig
 
 from shardserve.workers.checkpoint import GGUFCheckpoint, SafetensorsCheckpoint
 from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
-from shardserve.workers.quantization import WeightFormat, resolve_cpu_dtype, weight_format_for
+from shardserve.workers.layers.linear import linear
+from shardserve.workers.device import resolve_dtype
+from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.weight_loader import build_model
 
 # Q/K/V: Q4_0 + Q4_1 (both int4: packed together); gate Q4_1 + up Q8_0 (two kinds: floats);
@@ -80,8 +82,9 @@ def test_tensor_parallel_ranks_hold_whole_rows_and_groups(tiny_gguf):
     for index, full in enumerate((q, k, v)):
         assert torch.equal(torch.cat([p[index] for p in parts], dim=-1), full)
     attn_out = torch.randn(4, q_size).bfloat16()
-    partial = [r.o_proj.matmul(attn_out[:, i * q_size // 2:(i + 1) * q_size // 2]).float() for i, r in enumerate(ranks)]
-    full = whole.o_proj.matmul(attn_out).float()
+    partial = [linear(r.o_proj, attn_out[:, i * q_size // 2:(i + 1) * q_size // 2], None).float()
+               for i, r in enumerate(ranks)]
+    full = linear(whole.o_proj, attn_out, None).float()
     assert whole.o_proj.packed.kind == "int4" and all(r.o_proj.packed is None for r in ranks)
     torch.testing.assert_close(partial[0] + partial[1], full, rtol=0.02, atol=0.02 * full.abs().max().item())
 
@@ -94,7 +97,7 @@ def test_quantization_of_a_float_checkpoint(tmp_path, quantization):
     torch.manual_seed(0)
     reference = LlamaForCausalLM(LlamaConfig(**config)).eval()
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    fmt = weight_format_for(resolve_cpu_dtype("auto", None, quantization), quantization, is_gguf=False)
+    fmt = weight_format_for(resolve_dtype("auto", "cpu", None, quantization), quantization, is_gguf=False)
     model = build_model(LlamaConfig(**config), SafetensorsCheckpoint(tmp_path), dtype=fmt.dtype, progress=False,
                         weight_format=fmt)[0]
     layer = model.model.layers[0]
@@ -102,17 +105,18 @@ def test_quantization_of_a_float_checkpoint(tmp_path, quantization):
     assert model.lm_head.packed.kind == "int8" and model.model.embed_tokens.packed.kind == "int8"
     x = torch.randn(5, 128)
     expected = F.linear(x, reference.model.layers[0].mlp.down_proj.weight)
-    error = (layer.mlp.down_proj.matmul(x).float() - expected).abs().max() / expected.abs().max()
+    error = (linear(layer.mlp.down_proj, x, None).float() - expected).abs().max() / expected.abs().max()
     assert error < (0.02 if quantization == "int8" else 0.15), error
 
 
 def test_dtype_auto_rule():
-    assert resolve_cpu_dtype("auto", {"Q4_1": 90, "Q8_0": 30, "Q6_K": 10}) == torch.bfloat16
-    assert resolve_cpu_dtype("auto", {"Q4_K": 90, "Q8_0": 30}) == torch.float32   # mostly K-quants
-    assert resolve_cpu_dtype("auto", None) == torch.float32                       # float checkpoint
-    assert resolve_cpu_dtype("auto", None, "int4") == torch.bfloat16
-    assert resolve_cpu_dtype("float32", {"Q4_0": 1}) == torch.float32
+    assert resolve_dtype("auto", "cpu", {"Q4_1": 90, "Q8_0": 30, "Q6_K": 10}) == torch.bfloat16
+    assert resolve_dtype("auto", "cpu", {"Q4_K": 90, "Q8_0": 30}) == torch.float32   # mostly K-quants
+    assert resolve_dtype("auto", "cpu", None) == torch.float32                       # float checkpoint
+    assert resolve_dtype("auto", "cpu", None, "int4") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu", {"Q4_0": 1}) == torch.float32
+    assert resolve_dtype("auto", "cuda", None) == torch.bfloat16
     assert weight_format_for(torch.float32, "none", is_gguf=True) is None          # the exact path
     assert weight_format_for(torch.bfloat16, "none", is_gguf=True) == WeightFormat(torch.bfloat16)
     with pytest.raises(ValueError, match="--dtype"):
-        resolve_cpu_dtype("fp8", None)
+        resolve_dtype("fp8", "cpu")

@@ -6,9 +6,11 @@ Partitions are explicit ``(start, size)`` row/column ranges so uneven splits by 
 (``workers/partition.py``) need no special case. Megatron-LM (Shoeybi et al. 2019) column/row rule:
 column-parallel outputs stay sharded, row-parallel outputs are summed with one all-reduce.
 
-With a weight format set (``workers/layers/quantized.py``) a layer keeps its slice of a quantized
-weight packed for the CPU kernels instead: column slices are whole output rows, row-parallel
-slices whole groups of 32 input columns (``packed`` is then set and ``weight`` is None).
+A layer may hold its weight in FP8 with block scales (``weight_scale_inv``, set up by
+:func:`workers.fp8.keep_fp8_linears` on GPUs), or, with a weight format set on CPU
+(``workers/layers/quantized.py``), its slice of a quantized weight packed for the CPU kernels
+(``packed`` set, ``weight`` None: column slices are whole output rows, row-parallel slices whole
+groups of 32 input columns); :func:`linear` runs every kind.
 """
 
 from __future__ import annotations
@@ -17,15 +19,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels import fp8_block_linear
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.distributed import get_tp_group
 
 
+def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for a layer's ``weight``: a plain matmul, the packed CPU kernel when the
+    layer holds a packed weight, or the FP8 block-scaled kernel when the weight is
+    ``float8_e4m3fn`` (with ``layer.weight_scale_inv`` and ``layer.block_size``)."""
+    packed = getattr(layer, "packed", None)
+    if packed is not None:
+        out = packed.matmul(x)
+        return out if bias is None else out + bias
+    if layer.weight.dtype == torch.float8_e4m3fn:
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, bias)
+    return F.linear(x, layer.weight, bias)
+
+
 class PackableLinear(nn.Module):
-    """What the column- and row-parallel layers share for packed weights.
+    """What the column- and row-parallel layers share for packed weights (``workers/layers/quantized.py``).
 
     Attributes:
-        packable: may hold a packed weight (False for layers whose weight is read directly).
+        packable: may hold a packed weight (not when ``fp8_allowed`` is False: its weight is read directly).
         staging: integer-form parts collected while loading (None: plain float weights).
         packed: the packed weight after loading, or None.
     """
@@ -41,12 +57,6 @@ class PackableLinear(nn.Module):
         """Use ``packed`` (a :class:`~workers.layers.quantized.PackedWeight`) instead of ``weight``."""
         self.packed = packed
         self.weight = None
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` with the packed or the float weight (no bias)."""
-        if self.packed is not None:
-            return self.packed.matmul(x)
-        return F.linear(x, self.weight)
 
 
 def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
@@ -76,6 +86,7 @@ class ColumnParallelLinear(PackableLinear):
         super().__init__()
         self.in_features = in_features
         self.shards = shards
+        self.fp8_allowed = True   # False: a caller reads `weight` directly, so it must stay in the model dtype
         self.offsets = [0]
         for _, _, size in shards:
             self.offsets.append(self.offsets[-1] + size)
@@ -102,8 +113,7 @@ class ColumnParallelLinear(PackableLinear):
         return self.weight.data[self.offsets[shard_id]:self.offsets[shard_id + 1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x)
-        return out if self.bias is None else out + self.bias
+        return linear(self, x, self.bias)
 
 
 class RowParallelLinear(PackableLinear):
@@ -124,6 +134,7 @@ class RowParallelLinear(PackableLinear):
         self.in_features, self.out_features = in_features, out_features
         self.local_start, self.local_size = local_start, local_size
         self.reduce_output = reduce_output
+        self.fp8_allowed = True
         self.weight = nn.Parameter(torch.empty(out_features, local_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -148,7 +159,7 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()
-        out = self.matmul(x)
+        out = linear(self, x, None)
         if self.reduce_output and group.tp_size > 1:
             out = group.all_reduce(out)
         if self.bias is not None and (self.reduce_output or group.tp_rank == 0):

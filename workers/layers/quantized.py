@@ -93,12 +93,13 @@ class PackStaging:
 
 def apply_weight_format(model: nn.Module, fmt: WeightFormat) -> None:
     """Before loading: let every packable layer of ``model`` in the compute dtype collect integer
-    forms. Layers that read their weight directly (MLA's absorbed ``kv_b_proj``) set
-    ``packable = False``; layers kept in another dtype (the DSA indexer's float32 head weights)
-    stay as they are."""
+    forms. Layers whose weight is read directly (``fp8_allowed = False``: MLA's absorbed
+    ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head weights) stay
+    as they are."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if getattr(module, "packable", False) and weight is not None and weight.dtype == fmt.dtype:
+        if (getattr(module, "packable", False) and getattr(module, "fp8_allowed", True) and weight is not None
+                and weight.dtype == fmt.dtype):
             module.staging = PackStaging(fmt, embedding=getattr(module, "is_embedding", False))
 
 

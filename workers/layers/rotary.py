@@ -16,7 +16,9 @@ class RotaryEmbedding(nn.Module):
         interleaved: pair layout (see :func:`kernels.rotary.apply_rotary_ref`).
 
     The table is ``[max_positions, rot_dim // 2]`` float32; ``attention_scaling`` (YaRN's mscale on
-    cos/sin, 1.0 for default RoPE) is folded in.
+    cos/sin, 1.0 for default RoPE) is folded in. It is computed on the CPU whatever the default
+    device (the model may be built under ``torch.device("cuda")`` or ``"meta"``); ``model.to(device)``
+    moves it with the model.
     """
 
     def __init__(self, config, rot_dim: int, max_positions: int, interleaved: bool = False) -> None:
@@ -25,13 +27,14 @@ class RotaryEmbedding(nn.Module):
 
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
         rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+        with torch.device("cpu"):   # NOTE: overrides a "cuda"/"meta" default device of the caller
+            if rope_type == "default":
+                base = params["rope_theta"]
+                inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
+                scaling = 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.interleaved = interleaved

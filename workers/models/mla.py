@@ -91,7 +91,7 @@ class MLAAttention(nn.Module):
         kv_dim = self.nope_dim + self.v_dim
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [(heads * kv_dim, first * kv_dim, count * kv_dim)],
                                               dtype=dtype)
-        self.kv_b_proj.packable = False   # decode reads its weight directly (absorbed W_UK / W_UV)
+        self.kv_b_proj.fp8_allowed = False   # absorbed decode reads its weight directly
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, first * self.v_dim, count * self.v_dim,
                                         bias=bias, dtype=dtype)
         self.rotary = rotary

@@ -136,6 +136,9 @@ class FusedExperts(nn.Module):
         param.data[shard_id].copy_(tensor.load())
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        if self.w13_weight.dtype == torch.float8_e4m3fn:   # kept in FP8 on GPUs (workers/fp8.py)
+            return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first,
+                             self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block_size)
         return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first)
 
 

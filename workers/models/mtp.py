@@ -163,8 +163,10 @@ class DeepseekMTPModel(nn.Module):
 
 
 @torch.no_grad()
-def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> tuple[DeepseekMTPModel, int]:
-    """Build the draft model and load its weights (FP8 block-scaled tensors are dequantized).
+def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> tuple[DeepseekMTPModel, int]:
+    """Build the draft model on ``device`` and load its weights (FP8 block-scaled tensors are
+    dequantized: the draft is one layer).
 
     Returns:
         ``(model in eval mode, weight bytes)``.
@@ -178,7 +180,8 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
 
     ckpt = dequantizing_checkpoint(ckpt, config)
     names = set(ckpt.names())
-    model = DeepseekMTPModel(config, names, dtype)
+    with torch.device(device):
+        model = DeepseekMTPModel(config, names, dtype)
     total = 0
     for name, param in model.named_parameters():
         loader = getattr(param, "weight_loader", default_weight_loader)
@@ -187,4 +190,4 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
                 raise CheckpointError(f"{ckpt.path}: missing MTP tensor {ckpt_name!r}")
             loader(param, ckpt.get(ckpt_name), shard_id)
         total += param.numel() * param.element_size()
-    return model.eval(), total
+    return model.to(device).eval(), total   # .to: the RoPE tables are made on the CPU

@@ -22,19 +22,26 @@ class PagedBatch:
     """Per-sequence layout of one step. ``T`` packed tokens, ``B`` sequences, ``Q`` = max query
     length, ``S`` = max context length after this step."""
 
-    seq_of_token: torch.Tensor   # [T] int64, sequence of each packed token
-    row_of_token: torch.Tensor   # [T] int64, its row among that sequence's queries
-    slots: torch.Tensor          # [B, S] int64, cache slot of each position (0 where not valid)
-    causal: torch.Tensor         # [B, Q, S] bool, key position <= query position and < seq_len
+    seq_of_token: torch.Tensor | None   # [T] int64, sequence of each packed token
+    row_of_token: torch.Tensor | None   # [T] int64, its row among that sequence's queries
+    slots: torch.Tensor | None          # [B, S] int64, cache slot of each position (0 where not valid)
+    causal: torch.Tensor | None         # [B, Q, S] bool, key position <= query position and < seq_len
     block_size: int
     max_query_len: int
     max_seq_len: int
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> PagedBatch:
-        """Layout of the step described by ``meta`` over caches with ``block_size`` tokens per block."""
+        """Layout of the step described by ``meta`` over caches with ``block_size`` tokens per block.
+
+        A decode step (one query per sequence) reads the caches through the decode kernels only,
+        so its layout tensors stay None: they would be ``[B, S]`` over the whole context (and a
+        captured decode graph sizes ``S`` by the longest allowed sequence).
+        """
         device = meta.positions.device
         batch = meta.seq_lens.shape[0]
+        if meta.max_query_len == 1:
+            return cls(None, None, None, None, block_size, 1, meta.max_seq_len)
         num_tokens = meta.positions.shape[0]
         q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]                  # [B]
         seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
@@ -51,6 +58,7 @@ class PagedBatch:
 
     @property
     def batch_size(self) -> int:
+        assert self.slots is not None, "a decode step's PagedBatch has no padded layout"
         return self.slots.shape[0]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
