@@ -5,7 +5,7 @@ STAMP := $(VENV)/.shardserve-installed
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install run test bench proto
+.PHONY: install run test test-fast bench proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast subset (no real model, no Ray cluster): under 3 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_decode.py

@@ -244,6 +244,51 @@ def _fp8_moe_case(dtype, small: bool, block: tuple[int, int]) -> Case:
                 2 * tokens * top_k * 3 * hidden * inter, tol_scale=2.0)
 
 
+def recurrent_cases(dtype, small: bool) -> list[Case]:
+    """Qwen3-Next linear attention: gated delta rule (decode, chunked prefill) and the causal conv
+    over a state pool. Each call copies the pool first (included in the times) so both sides
+    start from the same states; the result is the output and the updated slots."""
+    from shardserve.kernels.causal_conv1d import causal_conv1d_ref
+    from shardserve.kernels.causal_conv1d_triton import causal_conv1d_triton
+    from shardserve.kernels.gated_delta import gated_delta_chunk_ref, gated_delta_recurrent_ref
+    from shardserve.kernels.gated_delta_triton import gated_delta_chunk_triton, gated_delta_recurrent_triton
+
+    k_heads, v_heads, dim = (2, 4, 32) if small else (16, 32, 128)   # Qwen3-Next-80B at TP=1
+    cases = []
+    for name, lens, fns in (("decode", [1] * (3 if small else 64), (gated_delta_recurrent_triton, gated_delta_recurrent_ref)),
+                            ("chunked prefill", [70, 5] if small else [1024] * 4, (gated_delta_chunk_triton, gated_delta_chunk_ref))):
+        total, slots = sum(lens), torch.arange(len(lens), device=DEVICE, dtype=torch.int32)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        q, k = (torch.nn.functional.normalize(torch.randn(total, k_heads, dim, device=DEVICE), dim=-1).to(dtype)
+                for _ in range(2))
+        v = torch.randn(total, v_heads, dim, device=DEVICE, dtype=dtype)
+        g = -torch.rand(total, v_heads, device=DEVICE)
+        beta = torch.rand(total, v_heads, device=DEVICE)
+        pool = torch.randn(len(lens), v_heads, dim, dim, device=DEVICE) * 0.1
+
+        def run(fn, a=(q * dim ** -0.5, k, v, g, beta, cu), pool=pool, slots=slots):
+            state = pool.clone()
+            return torch.cat([fn(*a, state, slots).flatten().float(), state.flatten()])
+        cases.append(Case(f"gated_delta {name} B{len(lens)} T{total} H{k_heads}/{v_heads} D{dim}", dtype,
+                          lambda f=fns[0], r=run: r(f), lambda f=fns[1], r=run: r(f), "TFLOP/s",
+                          4 * total * v_heads * dim * dim))
+    channels, width = (3 * k_heads * dim, 4) if small else (8192, 4)
+    for name, lens in (("decode", [1] * (3 if small else 64)), ("prefill", [9, 2] if small else [1024] * 4)):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        x = torch.randn(sum(lens), channels, device=DEVICE, dtype=dtype)
+        weight = torch.randn(channels, width, device=DEVICE, dtype=dtype) * 0.5
+        windows = torch.randn(len(lens), channels, width - 1, device=DEVICE, dtype=dtype)
+        slots = torch.arange(len(lens), device=DEVICE, dtype=torch.int32)
+
+        def conv(fn, x=x, weight=weight, cu=cu, windows=windows, slots=slots):
+            state = windows.clone()
+            return torch.cat([fn(x, weight, cu, state, slots).flatten(), state.flatten()])
+        cases.append(Case(f"causal_conv1d {name} B{len(lens)} T{sum(lens)} C{channels} W{width}", dtype,
+                          lambda c=conv: c(causal_conv1d_triton), lambda c=conv: c(causal_conv1d_ref),
+                          work=2 * x.numel() * x.itemsize))
+    return cases
+
+
 def check(case: Case, bench: bool) -> bool:
     """Run, compare, time and print one case; True when it matches."""
     from triton.testing import do_bench
@@ -290,7 +335,7 @@ def run_kernel_checks(interpret: bool = False, quick: bool = False) -> int:
     elif not quick:
         plans.append((BF16, False, True))
     for dtype, small, bench in plans:
-        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases):
+        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases, recurrent_cases):
             torch.manual_seed(0)
             try:
                 cases = build(dtype, small)

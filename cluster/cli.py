@@ -1,42 +1,71 @@
 """``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
-API of one replica) and ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas)."""
+API of one replica) and ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas).
+
+Every flag's help names its default and unit. Bad arguments are one line on stderr and exit code
+2, found before anything is loaded. ``serve`` and ``serve-grpc`` keep Ray's worker logs out of
+the terminal (they stay in Ray's log folder, printed at start-up): a failure ends with its cause
+on the last line, not with tracebacks from every actor.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
+from shardserve.cluster.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.workers.model_source import DEFAULT_MODEL
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` unless the help already says what the default is (flags whose
+    default is None or a computed value describe it in words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.nargs == 0:   # store_true / store_false
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return text + " (default: %(default)s)"
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"known model name ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint folder")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per rank (GiB)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length cap (tokens)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--seed", type=int, default=None, help="seed (sampling; engine generator)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per rank in GiB")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length in tokens, prompt + output (default: the model's, lowered to what "
+                             "the KV cache holds; a value the KV cache cannot hold is an error)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens per engine step at most (prefill chunks included)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of equal prefixes")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling generators, an integer (default: 0 for the engine; generate: "
+                             "unseeded)")
     parser.add_argument("--dsa", action=argparse.BooleanOptionalAction, default=None,
-                        help="DSA sparse attention for DeepSeek-V3.2 / GLM-5 (--no-dsa: dense MLA)")
-    parser.add_argument("--dsa-top-k", type=int, default=None, help="keys per query under DSA (default: index_topk)")
+                        help="DSA sparse attention for DeepSeek-V3.2 / GLM-5 (--no-dsa: dense MLA; default: on "
+                             "when the checkpoint has an indexer)")
+    parser.add_argument("--dsa-top-k", type=int, default=None,
+                        help="keys (tokens) each query attends to under DSA (default: the checkpoint's index_topk)")
     parser.add_argument("--indexer-cache-dtype", choices=["auto", "fp8"], default="auto",
-                        help="DSA indexer-key cache: the model dtype, or fp8 keys with a scale per 128 dims")
+                        help="DSA indexer-key cache: auto = the model dtype, fp8 = e4m3 keys with a scale per 128 "
+                             "dims")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
-                        help="MTP speculative decoding: draft tokens per step from the checkpoint's MTP layer "
-                             "(0 = off)")
+                        help="MTP speculative decoding: draft tokens per sequence and step from the checkpoint's "
+                             "MTP layer (0 = off)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="weights and activations (auto: bfloat16 on cuda; on cpu bfloat16 with packed "
                              "weights for Q4_0/Q4_1/Q8_0 GGUF files, else float32: the exact path)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of each GPU a rank may use; the KV cache takes what weights and "
-                             "activations leave (CPU ranks use --kv-cache-gib)")
+                        help="fraction (0, 1] of each GPU's memory a rank may use; the KV cache takes what weights "
+                             "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
     parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
@@ -45,18 +74,54 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="tensor-parallel ranks (shard workers) per model replica")
     parser.add_argument("--tensor-split", type=_floats, default=None,
-                        help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank)")
+                        help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     parser.add_argument("--cpus-per-worker", type=float, default=None,
                         help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
-    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD"], default="PACK")
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs reserved per shard worker")
+    parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD"], default="PACK",
+                        help="Ray placement of a replica's ranks: PACK (one node) or SPREAD")
     parser.add_argument("--cpu-collective", choices=["shm", "gloo"], default=None,
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
                         help="per-step dispatch to the shard workers: actor calls or a Ray Compiled Graph")
+
+
+def _front_flags(parser: argparse.ArgumentParser) -> None:
+    """API keys, admission, deadlines and gRPC TLS (``serve`` and ``serve-grpc``)."""
+    parser.add_argument("--api-key", default=None,
+                        help="API key clients send as 'Authorization: Bearer KEY' (HTTP) or 'authorization' "
+                             f"metadata (gRPC); several: comma-separated (default: ${API_KEY_ENV}, else none: "
+                             "no authentication)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="file with one API key per line, in addition to --api-key (default: none)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="requests that may wait per replica; more get HTTP 429 / RESOURCE_EXHAUSTED")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take before it is aborted with HTTP 408 / DEADLINE_EXCEEDED "
+                             "(default: no limit)")
+    parser.add_argument("--grpc-tls-cert", default=None,
+                        help="PEM certificate (chain) of the gRPC servers (default: none, plaintext)")
+    parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert (default: none)")
+
+
+def _front_config(ns: argparse.Namespace) -> FrontConfig:
+    front = FrontConfig(api_keys=load_api_keys(ns.api_key, ns.api_key_file), max_queued_requests=ns.max_queued_requests,
+                        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert,
+                        grpc_tls_key=ns.grpc_tls_key)
+    front.validate()
+    return front
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    r"""``--stop`` value with the escapes ``\n``, ``\t``, ``\r`` and ``\\`` decoded (others kept)."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 def _floats(text: str) -> list[float]:
@@ -129,17 +194,37 @@ def _root_cause(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def init_ray(address: str | None, cpus_needed: float) -> None:
-    """Join ``address`` or start a local Ray with at least ``cpus_needed`` logical CPUs."""
+def init_ray(address: str | None, cpus_needed: float, log_to_driver: bool = True) -> None:
+    """Join ``address`` or start a local Ray with at least ``cpus_needed`` logical CPUs.
+
+    ``log_to_driver=False`` keeps the actors' output out of this terminal (it stays in Ray's log
+    folder, see :func:`ray_logs_dir`).
+    """
     import os
 
     import ray
 
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, int(-(-cpus_needed // 1))), include_dashboard=False,
-                 logging_level=logging.WARNING)
+                 logging_level=logging.WARNING, log_to_driver=log_to_driver)
+
+
+def ray_logs_dir() -> str:
+    """Where this Ray session writes the actors' logs (for the start-up banner and errors)."""
+    try:
+        import ray._private.worker as ray_worker
+
+        return ray_worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - private API; the usual place otherwise
+        return "/tmp/ray/session_latest/logs"
+
+
+def _quiet_ray_serve_driver_logs() -> None:
+    """Hide Ray Serve's INFO lines in this process (e.g. "Application ... is ready", printed when the
+    deployments start, long before the model is loaded); its warnings still show."""
+    logging.getLogger("ray.serve").addFilter(lambda record: record.levelno >= logging.WARNING)
 
 
 def _interrupt_event():
@@ -159,30 +244,33 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     from ray.util.placement_group import remove_placement_group
 
     from shardserve.cluster.coordinator import launch_coordinator
+    from shardserve.cluster.security import warn_if_exposed
+    from shardserve.workers.model_source import check_model
 
-    from shardserve.workers.model_source import resolve_model
-
-    args, group = _engine_args(ns), _group_config(ns)
+    args, group, front = _engine_args(ns), _group_config(ns), _front_config(ns)
     args.validate()
-    args.validate_model(resolve_model(args.model))
+    check_model(args.model)
+    warn_if_exposed(ns.host, front.api_keys, "serve-grpc")
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
     if not ns.address:
         group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
-    init_ray(ns.address, 1 + group.cpus_per_worker * num_workers)
+    init_ray(ns.address, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
     if ns.address:
         try:
             group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, ns.address)
         except ValueError:
             ray.shutdown()
             raise
-    handle, pg = launch_coordinator(args, group)
+    handle, pg = launch_coordinator(args, group, front=front)
     try:
         try:
             address = ray.get(handle.start_grpc.remote(ns.grpc_port, ns.host))
-        except ray.exceptions.RayActorError as exc:   # the coordinator failed to start (e.g. does not fit)
-            raise ServeStartError(_root_cause(exc)) from None
-        print(f"shardserve gRPC API (shardserve.v1.Inference) on {address}", flush=True)
+        except ray.exceptions.RayError as exc:   # the coordinator failed to start (e.g. does not fit)
+            raise ServeStartError(f"the replica failed to start: {_root_cause(exc)} (logs: {ray_logs_dir()})") from None
+        scheme = "TLS" if front.grpc_tls_cert else "plaintext"
+        print(f"shardserve gRPC API (shardserve.v1.Inference) on {address} ({scheme}; logs: {ray_logs_dir()})",
+              flush=True)
         stop.wait()
     finally:
         try:
@@ -215,24 +303,30 @@ def _serve_args(ns: argparse.Namespace):
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        quantization=ns.quantization)
+        quantization=ns.quantization, api_key=load_api_keys(ns.api_key, ns.api_key_file),
+        max_queued_requests=ns.max_queued_requests,
+        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:
-    """Poll ``url`` (``/health``) until every replica is ready; returns the health body.
+    """Poll ``url`` (``/health``, which needs no key) until every replica is ready; returns the
+    health body. The poll backs off to 2 s. HTTPS is not verified: this is our own server on
+    this machine, and nothing secret is sent.
 
     Raises:
         ServeStartError: a replica failed to load. TimeoutError: not ready within ``timeout_s``.
     """
     import json
+    import ssl
     import time
     import urllib.error
     import urllib.request
 
-    deadline, last = time.monotonic() + timeout_s, "no answer yet"
+    context = ssl._create_unverified_context() if url.startswith("https") else None
+    deadline, last, pause = time.monotonic() + timeout_s, "no answer yet", 0.25
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
+            with urllib.request.urlopen(url, timeout=5, context=context) as resp:
                 body = json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             body = json.loads(exc.read() or b"{}") if exc.code == 503 else {}
@@ -242,46 +336,60 @@ def _wait_until_serving(url: str, timeout_s: float) -> dict:
         replicas = body.get("replicas", [])
         failed = [r for r in replicas if r["state"] == "failed"]
         if failed:
-            raise ServeStartError(f"replica {failed[0]['index']} failed to load: {failed[0]['error']}")
+            raise ServeStartError(f"replica {failed[0]['index']} failed to load: {failed[0]['error']} "
+                                  f"(logs: {ray_logs_dir()})")
         if replicas and all(r["state"] == "ready" for r in replicas):
             return body
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last})")
+        time.sleep(pause)
+        pause = min(2.0, pause * 1.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last}; logs: {ray_logs_dir()})")
 
 
 def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from shardserve.cluster.security import check_tls_pair, warn_if_exposed
     from shardserve.cluster.serve_app import build_app
     from shardserve.workers.model_source import resolve_model
 
     cfg = _serve_args(ns)
     cfg.validate()
+    check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
+    keys = cfg.front_config().api_keys
+    warn_if_exposed(ns.host, keys, "the HTTP server")
+    warn_if_exposed(cfg.grpc_host, keys, "the replicas' gRPC servers")
     stop = _interrupt_event()
     num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
     if not ns.address:
         cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, None)
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
-    cfg.engine_args().validate_model(files)
-    init_ray(ns.address, cfg.cpus_needed())
+    init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
     if ns.address:
         try:
             cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, ns.address)
         except ValueError:
             ray.shutdown()
             raise
+    _quiet_ray_serve_driver_logs()
     local = "127.0.0.1" if ns.host in ("0.0.0.0", "::", "") else ns.host
+    scheme = "https" if ns.ssl_certfile else "http"
+    http_options = {"host": ns.host, "port": ns.port}
+    if ns.ssl_certfile:
+        http_options.update(ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile)
+    print(f"shardserve: loading {files.name} on {cfg.data_parallel_size} replica(s) of TP={cfg.tensor_parallel_size} "
+          f"(logs: {ray_logs_dir()})", flush=True)
     try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
+        # The proxy's access log would repeat the router's; the router logs every request but /health.
+        serve.start(http_options=http_options, logging_config={"enable_access_log": False})
         serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
-        health = _wait_until_serving(f"http://{local}:{ns.port}/health", ns.ready_timeout)
+        health = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.ready_timeout)
         print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
-              f"x {cfg.data_parallel_size} replica(s)", flush=True)
-        print(f"  OpenAI API: http://{local}:{ns.port}/v1  (health: /health, metrics: /metrics)", flush=True)
+              f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keys else ''}", flush=True)
+        print(f"  OpenAI API: {scheme}://{local}:{ns.port}/v1  (health: /health, metrics: /metrics)", flush=True)
         for replica in health["replicas"]:
-            print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference)",
-                  flush=True)
+            print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference"
+                  f"{', TLS' if cfg.grpc_tls_cert else ''})", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         stop.wait()
         print("shardserve: shutting down", flush=True)
@@ -300,15 +408,18 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _generate(ns: argparse.Namespace) -> int:
     from shardserve.cluster.request import SamplingParams
+    from shardserve.workers.model_source import check_model
 
-    from shardserve.workers.model_source import resolve_model
-
+    # Everything that can be checked without the model is checked first (loading takes seconds).
+    if not ns.prompt:
+        raise ValueError("--prompt must not be empty")
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
+    params.validate()
     args = _engine_args(ns)
     args.validate()
-    args.validate_model(resolve_model(args.model))
+    check_model(args.model)
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.seed, stop=ns.stop or [])
     if args.tensor_parallel_size > 1:
         completion = _generate_on_cluster(ns, args, prompt, params)
     else:
@@ -334,7 +445,7 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     group = _group_config(ns)
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
     group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
-    init_ray(None, 1 + group.cpus_per_worker * num_workers)
+    init_ray(None, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
     handle = pg = None
     try:
         handle, pg = launch_coordinator(args, group)
@@ -357,46 +468,59 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardserve", description="Ray-based tensor-parallel LLM serving")
+    """The ``shardserve`` argument parser (every flag has help naming its default and unit)."""
+    parser = argparse.ArgumentParser(prog="shardserve", description="Ray-based tensor-parallel LLM serving",
+                                     formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt in this process and print the text")
+    gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
+                         formatter_class=_HelpFormatter)
     _engine_flags(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text (required, not empty)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: probability mass kept, in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    gen.add_argument("--stop", action="append",
+                     help="stop string, repeatable, at most 4; the escapes \\n, \\t, \\r and \\\\ are decoded, so "
+                          "--stop '\\n\\n' stops at a blank line (default: none)")
     gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                     help="shard workers on a local Ray cluster (1: everything in this process)")
+                     help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
-                     help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank)")
+                     help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
     gen.set_defaults(func=_generate)
 
-    grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C")
+    grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C",
+                              formatter_class=_HelpFormatter)
     _engine_flags(grpc_cmd)
     _cluster_flags(grpc_cmd)
-    grpc_cmd.add_argument("--grpc-port", type=int, default=50051)
-    grpc_cmd.add_argument("--host", default="0.0.0.0")
+    _front_flags(grpc_cmd)
+    grpc_cmd.add_argument("--grpc-port", type=int, default=50051, help="TCP port of the gRPC API; 0 = any free port")
+    grpc_cmd.add_argument("--host", default="127.0.0.1",
+                          help="interface the gRPC API binds (0.0.0.0: all; without --api-key a warning)")
     grpc_cmd.set_defaults(func=_serve_grpc)
 
     serve_cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve "
-                                            "(tensor-parallel replicas) until Ctrl-C")
+                                            "(tensor-parallel replicas) until Ctrl-C", formatter_class=_HelpFormatter)
     serve_cmd.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                            help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
     _engine_flags(serve_cmd)
     _cluster_flags(serve_cmd)
+    _front_flags(serve_cmd)
     serve_cmd.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                            help="model replicas (each a TP group); requests go to the least-loaded one")
-    serve_cmd.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
-    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    serve_cmd.add_argument("--host", default="127.0.0.1",
+                           help="interface the HTTP API binds (0.0.0.0: all; without --api-key a warning)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI HTTP API")
     serve_cmd.add_argument("--grpc-port", type=int, default=50051,
-                           help="gRPC port of replica 0 (replica i: port + i); 0 = any free port")
-    serve_cmd.add_argument("--grpc-host", default=None, help="gRPC interface (default: --host)")
+                           help="TCP port of replica 0's gRPC API (replica i: port + i); 0 = any free port")
+    serve_cmd.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
+    serve_cmd.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
+    serve_cmd.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")
     serve_cmd.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
-    serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for the model to load")
+    serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0,
+                           help="seconds to wait for the model to load")
     serve_cmd.set_defaults(func=_serve)
     return parser
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
-from shardserve.workers.model_source import DEFAULT_MODEL
+from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -64,7 +66,8 @@ class EngineArgs:
     quantization: str = "none"
 
     def validate(self) -> None:
-        """Raises ValueError for inconsistent settings."""
+        """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
+        them: its weights are quantized already). Reads no model file."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -91,17 +94,9 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
-
-    def validate_model(self, files) -> None:
-        """Checks that need the resolved model files (``workers.model_source.ModelFiles``), made
-        before any weight is read.
-
-        Raises:
-            ValueError: ``--quantization`` with a GGUF file (its weights are quantized already).
-        """
-        if self.quantization != "none" and files.path.suffix == ".gguf":
+        if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
-                             f"{files.path.name} is a GGUF file, quantized already")
+                             f"{self.model} is a GGUF file, quantized already")
 
     def runner_config(self):
         """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
@@ -114,6 +109,39 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             seed=self.seed, quantization=self.quantization)
+
+    def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
+        """The context length to serve: one sequence of that length must fit the KV pool
+        (``num_blocks * block_size`` tokens per rank), as vLLM requires at start-up.
+
+        Args:
+            model_max_len: the model's own limit (``max_position_embeddings``).
+            num_blocks: KV blocks every rank holds.
+
+        Returns:
+            ``max_model_len`` when given and it fits; else the model's limit, lowered to what the
+            pool holds (with a warning).
+
+        Raises:
+            ValueError: ``max_model_len`` was given and is more than the pool holds (the message
+                names both numbers and the flags to change).
+        """
+        pool_tokens = num_blocks * self.block_size
+        if self.max_model_len is not None:
+            if self.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"--max-model-len {self.max_model_len} does not fit the KV cache: one sequence of "
+                    f"{self.max_model_len} tokens needs {-(-self.max_model_len // self.block_size)} blocks, the "
+                    f"pool holds {num_blocks} blocks of {self.block_size} tokens ({pool_tokens} tokens) per rank; "
+                    f"raise --kv-cache-gib (now {self.kv_cache_gib:g}) or lower --max-model-len to at most "
+                    f"{pool_tokens}")
+            return self.max_model_len
+        if model_max_len > pool_tokens:
+            logger.warning("max_model_len lowered from %d (the model's) to %d tokens, what the KV cache holds "
+                           "(%d blocks of %d tokens); raise --kv-cache-gib (now %g) for longer contexts",
+                           model_max_len, pool_tokens, num_blocks, self.block_size, self.kv_cache_gib)
+            return pool_tokens
+        return model_max_len
 
     def model_config(self, hf_config):
         """``hf_config`` with this engine's model switches applied (read by the model classes)."""

@@ -20,6 +20,7 @@ from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine import EngineCore, RequestOutput
 from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.security import FrontConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
 from shardserve.workers.model_source import load_config, resolve_model
@@ -31,27 +32,35 @@ class ReplicaUnavailable(RuntimeError):
     """The replica lost a shard worker and cannot serve."""
 
 
+class QueueFull(RuntimeError):
+    """Admission control: ``max_queued_requests`` requests already wait on this replica."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request passed its deadline; it was aborted and its blocks freed."""
+
+
 class Coordinator:
     """Engine loop + gRPC server of one replica (use as ``ray.remote(Coordinator)``).
 
     Args:
         args: engine arguments (model, cache, scheduler budgets, TP size and split).
         group: placement/communication of the shard workers.
+        front: what the gRPC server enforces (API keys, TLS, admission, request timeout).
 
     When created inside a placement group, shard worker i uses bundle ``i + 1`` of it (bundle 0
     is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) bundle
     ``tensor_parallel_size + 1``; otherwise the worker group makes its own placement group.
     """
 
-    def __init__(self, args: EngineArgs, group: GroupConfig | None = None) -> None:
+    def __init__(self, args: EngineArgs, group: GroupConfig | None = None, front: FrontConfig | None = None) -> None:
         import ray
         from ray.util import get_current_placement_group
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args.validate()
-        self.args = args
+        self.args, self.front = args, front or FrontConfig()
         self.files = resolve_model(args.model)
-        args.validate_model(self.files)
         self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         group = group or GroupConfig(tensor_parallel_size=args.tensor_parallel_size)
@@ -61,7 +70,12 @@ class Coordinator:
         self.group = WorkerGroup(
             self.files, self.hf_config, args.runner_config(), group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
-        max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
+        try:
+            max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+                                             self.group.num_blocks)
+        except ValueError:
+            self.group.shutdown()
+            raise
         self.drafter, speculator = self._start_drafter(args, group, pg), None
         if self.drafter is not None:
             from shardserve.cluster.speculative import Speculator
@@ -70,7 +84,8 @@ class Coordinator:
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator)
+                               args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots)
         self.healthy, self.error = True, None
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -168,25 +183,38 @@ class Coordinator:
             raise ValueError("prompt must not be empty")
         return encode_prompt(self.tokenizer, text)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the iteration early (client cancelled) aborts it and
-        frees its blocks.
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the iteration early (client cancelled) or passing
+        ``deadline`` (event-loop time, e.g. ``loop.time() + 30``) aborts it and frees its blocks.
 
         Raises:
             ValueError: invalid request (before anything is yielded).
+            QueueFull: ``front.max_queued_requests`` requests already wait (before anything is yielded).
+            DeadlineExceeded: ``deadline`` passed (before or during the stream).
             ReplicaUnavailable: a shard worker died (before or during the stream).
         """
         if not self.healthy:
             raise ReplicaUnavailable(self.error)
+        waiting = len(self.core.scheduler.waiting)
+        if waiting >= self.front.max_queued_requests:
+            raise QueueFull(f"{waiting} requests already wait on this replica (--max-queued-requests "
+                            f"{self.front.max_queued_requests}); retry later")
         self._ensure_loop()
         rid = self.core.add_request(prompt_ids, params, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._wakeup.set()
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                out = await queue.get()
+                if deadline is None:
+                    out = await queue.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(queue.get(), deadline - loop.time())
+                    except TimeoutError:
+                        raise DeadlineExceeded("the request passed its deadline and was aborted") from None
                 if out.finish_reason == "error":
                     raise ReplicaUnavailable(out.error)
                 yield out
@@ -244,14 +272,14 @@ class Coordinator:
     def worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.group.rank_info]
 
-    async def start_grpc(self, port: int = 50051, host: str = "0.0.0.0") -> str:
+    async def start_grpc(self, port: int = 50051, host: str = "127.0.0.1") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
         node's IP when bound to all interfaces)."""
         from shardserve.cluster.grpc_server import start_grpc_server
 
         self._ensure_loop()
         if self._grpc is None:
-            self._grpc = await start_grpc_server(self, host, port)
+            self._grpc = await start_grpc_server(self, host, port, self.front)
         return f"{self._node_ip if host in ('0.0.0.0', '::', '') else host}:{self._grpc.port}"
 
     async def shutdown(self) -> None:
@@ -268,7 +296,8 @@ def default_cpus_per_worker(tensor_parallel_size: int) -> float:
     return float(max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size)))   # 0 is rejected by validate()
 
 
-def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None):
+def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None,
+                       front: FrontConfig | None = None):
     """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers, N + 1: the
     MTP draft worker when ``args.speculative_tokens > 0``) and start a coordinator actor in it.
 
@@ -297,5 +326,5 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)}
     if name:
         options["name"] = name
-    handle = ray.remote(Coordinator).options(**options).remote(args, group)
+    handle = ray.remote(Coordinator).options(**options).remote(args, group, front)
     return handle, pg

@@ -21,6 +21,7 @@ from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.request import Logprob, Request, RequestStatus, SamplingParams
 from shardserve.cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from shardserve.cluster.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -62,17 +63,25 @@ class EngineCore:
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         vocab_size: the model's vocabulary (prompt ids must be below it).
         speculator: MTP speculative decoding (``cluster.speculative.Speculator``), or None.
+        num_state_slots: recurrent-state slots of a hybrid model (every worker's
+            ``num_state_slots``; 0: no recurrent layers). Prefix caching is turned off for such
+            models: a cached prefix's KV blocks are useless without the recurrent state at its end.
     """
 
     def __init__(self, executor: Executor, tokenizer, num_blocks: int, block_size: int,
                  scheduler_config: SchedulerConfig, eos_token_ids: set[int], vocab_size: int,
-                 enable_prefix_caching: bool = True, speculator=None) -> None:
+                 enable_prefix_caching: bool = True, speculator=None, num_state_slots: int = 0) -> None:
         self.executor = executor
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        if state_slots is not None and enable_prefix_caching:
+            logger.info("prefix caching is off: this model keeps a recurrent state per sequence (gated "
+                        "DeltaNet layers), which cached KV blocks cannot restore")
+            enable_prefix_caching = False
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         scheduler_config.max_model_len = min(scheduler_config.max_model_len, num_blocks * block_size)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, state_slots)
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Tracked] = {}
@@ -90,6 +99,12 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; this model's context length is "
                              f"{self.max_model_len} tokens (prompt + at least one output token)")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's context length is {self.max_model_len} tokens: the prompt has "
+                f"{len(prompt_token_ids)} tokens and max_tokens asks for {params.max_tokens} more "
+                f"({len(prompt_token_ids) + params.max_tokens} in all); ask for max_tokens <= "
+                f"{self.max_model_len - len(prompt_token_ids)}")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
@@ -208,16 +223,23 @@ class EngineCore:
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
         probe = Request(f"probe-{next(self._ids)}", list(prompt_ids), SamplingParams(temperature=0))
+        state_slots = self.scheduler.state_slots
+        if state_slots is not None and not state_slots.num_free:
+            raise ValueError("no free recurrent-state slot for a probe")
         if not self.block_manager.allocate_slots(probe, len(prompt_ids)):
             raise ValueError(f"{len(prompt_ids)} tokens do not fit the {self.block_manager.num_free_blocks} free blocks")
-        plan = StepPlan([NewRequestData(probe.request_id, probe.params.sampling_options())],
+        if state_slots is not None:
+            state_slots.allocate(probe)
+        plan = StepPlan([NewRequestData(probe.request_id, probe.params.sampling_options(), probe.state_slot)],
                         [ScheduledRequest(probe.request_id, probe.prompt_token_ids, 0, list(probe.block_ids), True, 0)],
                         finished_req_ids=[], return_logits=True)
         return plan, probe
 
     def release_probe(self, probe: Request) -> None:
-        """Free a probe's blocks and have the workers forget it."""
+        """Free a probe's blocks (and state slot) and have the workers forget it."""
         self.block_manager.free(probe)
+        if self.scheduler.state_slots is not None:
+            self.scheduler.state_slots.free(probe)
         self.scheduler.forget_on_workers(probe.request_id)
 
     def prompt_logits(self, prompt_ids: list[int]):

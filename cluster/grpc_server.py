@@ -2,21 +2,28 @@
 (``grpc.health.v1``) and reflection services, on the coordinator's event loop (grpc.aio).
 
 Status codes: INVALID_ARGUMENT for a bad request (before any response is streamed),
-UNAVAILABLE when the replica lost a shard worker. A client cancelling ``Generate`` aborts the
-request and frees its KV blocks.
+UNAUTHENTICATED without a valid API key (every method but health's, reflection included),
+RESOURCE_EXHAUSTED when ``max_queued_requests`` already wait, DEADLINE_EXCEEDED past the client's
+deadline or ``request_timeout``, UNAVAILABLE when the replica lost a shard worker. A client
+cancelling ``Generate``, or its deadline passing, aborts the request and frees its KV blocks.
 """
 
 from __future__ import annotations
+
+import asyncio
+import math
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.security import FrontConfig, bearer_matches, warn_if_exposed
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)   # health checks need no key; everything else does
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -44,11 +51,58 @@ def _response(out) -> pb.GenerateResponse:
         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens))
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every method but ``grpc.health.v1``'s with UNAUTHENTICATED unless the call's
+    metadata holds ``authorization: Bearer KEY`` for one of ``keys``; the handler never runs.
+    Services added later are covered too: only the health service is open.
+
+    Args:
+        keys: accepted API keys (non-empty).
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if bearer_matches(metadata.get("authorization"), self.keys):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
+    async def refuse(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
+
+    kinds = ((handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+             (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+             (handler.stream_unary, grpc.stream_unary_rpc_method_handler))
+    make = next((make for behaviour, make in kinds if behaviour is not None), grpc.stream_stream_rpc_method_handler)
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _deadline(context, request_timeout: float | None) -> float | None:
+    """Event-loop time by which the call must end: the client's deadline or ``request_timeout``
+    from now, whichever comes first (None: no limit)."""
+    limits = [request_timeout] if request_timeout else []
+    remaining = context.time_remaining()
+    if remaining is not None and math.isfinite(remaining) and remaining < 1e8:   # no deadline: huge
+        limits.append(max(0.0, remaining))
+    return asyncio.get_running_loop().time() + min(limits) if limits else None
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Maps the proto API onto :class:`cluster.coordinator.Coordinator`."""
 
-    def __init__(self, coordinator) -> None:
+    def __init__(self, coordinator, request_timeout: float | None = None) -> None:
         self.coordinator = coordinator
+        self.request_timeout = request_timeout
 
     def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -59,16 +113,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return self.coordinator.encode(text=request.text)
 
     async def Generate(self, request, context):
-        from shardserve.cluster.coordinator import ReplicaUnavailable
+        from shardserve.cluster.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable
 
         try:
             prompt_ids = self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
-            stream = self.coordinator.generate(prompt_ids, params, request.request_id or None)
+            stream = self.coordinator.generate(prompt_ids, params, request.request_id or None,
+                                               deadline=_deadline(context, self.request_timeout))
             async for out in stream:
                 yield _response(out)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DeadlineExceeded as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except ReplicaUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
 
@@ -100,18 +159,27 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def start_grpc_server(coordinator, host: str, port: int) -> GrpcServer:
-    """Serve ``coordinator`` on ``host:port`` (0 = any free port).
+async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfig | None = None) -> GrpcServer:
+    """Serve ``coordinator`` on ``host:port`` (0 = any free port) under ``front``'s rules (API keys,
+    TLS, request timeout); a non-loopback ``host`` without a key logs a warning.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server()
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator), server)
+    front = front or FrontConfig()
+    interceptors = [ApiKeyInterceptor(front.api_keys)] if front.api_keys else []
+    server = grpc.aio.server(interceptors=interceptors)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator, front.request_timeout), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    warn_if_exposed(host, front.api_keys, "the gRPC server")
+    tls = front.grpc_tls()
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        cert_chain, private_key = tls
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(private_key, cert_chain)]))
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

@@ -33,36 +33,43 @@ class LLM:
     Args:
         args: engine arguments (``tensor_parallel_size`` must be 1 here).
         progress: show the weight-loading progress bar (stderr).
+        drafter: the engine's draft hook: a draft model used instead of the checkpoint's MTP layer
+            (any object with ``propose(DraftBatch) -> DraftResult``, e.g. a test oracle); needs
+            ``args.speculative_tokens``.
     """
 
-    def __init__(self, args: EngineArgs, progress: bool = True) -> None:
+    def __init__(self, args: EngineArgs, progress: bool = True, drafter=None) -> None:
         args.validate()
         if args.tensor_parallel_size != 1:
             raise ValueError("the single-process engine runs TP=1; use the cluster for tensor parallelism")
         resolve_device(args.device)   # --device cuda without a GPU fails here, before any model is read
         self.args = args
         self.files = resolve_model(args.model)
-        args.validate_model(self.files)
         self.hf_config = args.model_config(load_config(self.files))
         self.tokenizer = load_tokenizer(self.files)
         self.runner = ModelRunner(self.files, self.hf_config, args.runner_config(), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
-        max_len = args.max_model_len or getattr(self.hf_config, "max_position_embeddings", 4096)
-        speculator, self.drafter = None, None
-        if args.speculative_tokens:   # MTP draft model in this process, on the same block ids
+        max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+                                         self.runner.num_blocks)
+        speculator, self.drafter = None, drafter
+        if drafter is not None and not args.speculative_tokens:
+            raise ValueError("a drafter needs speculative_tokens >= 1")
+        if args.speculative_tokens:
             from shardserve.cluster.speculative import Speculator
-            from shardserve.workers.draft_worker import DraftWorker
 
-            self.drafter = DraftWorker()
-            self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, args.dtype,
-                              seed=args.seed, device=args.device)
+            if self.drafter is None:   # MTP draft model in this process, on the same block ids
+                from shardserve.workers.draft_worker import DraftWorker
+
+                self.drafter = DraftWorker()
+                self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, args.dtype,
+                                  seed=args.seed, device=args.device)
             speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-            args.enable_prefix_caching, speculator=speculator)
+            args.enable_prefix_caching, speculator=speculator, num_state_slots=self.runner.num_state_slots)
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a raw prompt (str), a chat (list of messages), or ids as given."""

@@ -15,12 +15,15 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 class ServeMetrics:
     """Every metric the front exports; names start with ``shardserve_``.
 
-    Request-level: ``requests_total{endpoint,status}``, ``prompt_tokens_total``,
-    ``generation_tokens_total``, ``time_to_first_token_seconds``,
-    ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``, ``requests_in_flight``.
-    Per replica (label ``replica``): ``requests_routed_total``, ``outstanding_tokens``,
-    ``num_requests_running``, ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``,
-    ``kv_cache_blocks``, ``replica_ready``.
+    Request-level: ``requests_total{endpoint,status,outcome}`` (counted once, when the request
+    ends; status 499 = the client left before the answer; outcome ``finished``, ``rejected``,
+    ``cancelled``, ``timeout`` or ``error``), ``prompt_tokens_total``, ``generation_tokens_total``,
+    ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
+    ``e2e_request_latency_seconds``, ``requests_in_flight``.
+    Per replica (label ``replica``): ``requests_routed_total``, ``queue_full_rejections_total``
+    (admission control refused a call), ``outstanding_tokens``, ``num_requests_running``,
+    ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``, ``kv_cache_blocks``,
+    ``replica_ready``.
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -28,8 +31,10 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
-        self.requests = Counter("shardserve_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=reg)
+        self.requests = Counter("shardserve_requests", "Generation requests by endpoint, HTTP status and outcome",
+                                ["endpoint", "status", "outcome"], registry=reg)
+        self.queue_full = Counter("shardserve_queue_full_rejections", "Calls a replica refused: its waiting "
+                                  "queue was full (--max-queued-requests)", ["replica"], registry=reg)
         self.prompt_tokens = Counter("shardserve_prompt_tokens", "Prompt tokens processed", registry=reg)
         self.generation_tokens = Counter("shardserve_generation_tokens", "Tokens generated", registry=reg)
         self.ttft = Histogram("shardserve_time_to_first_token_seconds", "Request arrival to first token (s)",
@@ -51,6 +56,10 @@ class ServeMetrics:
         self.free_blocks = Gauge("shardserve_kv_cache_free_blocks", "Free KV cache blocks", ["replica"], registry=reg)
         self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks", ["replica"], registry=reg)
         self.ready = Gauge("shardserve_replica_ready", "1 when the replica serves", ["replica"], registry=reg)
+
+    def count(self, endpoint: str, status: int, outcome: str) -> None:
+        """Count one request that ended (``requests_total``)."""
+        self.requests.labels(endpoint, str(status), outcome).inc()
 
     def observe_choice(self, started: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         """Record one finished choice: TTFT from the request's arrival, TPOT over its later tokens."""

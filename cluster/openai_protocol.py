@@ -9,11 +9,14 @@ Requests become a :class:`ParsedRequest` (prompts, ``n``, sampling fields in the
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
+from shardserve.cluster.request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+
 MAX_N = 16                # choices per request
-MAX_TOP_LOGPROBS = 20     # chat ``top_logprobs``; the engine's limit too
+MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
 # Fields whose non-default values would change the output but the engine does not implement.
 _UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
@@ -49,10 +52,73 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, "service_unavailable_error", None, "service_unavailable")
 
 
+def rate_limited(message: str) -> OpenAIError:
+    """429: every replica's waiting queue is full (send ``Retry-After`` with it)."""
+    return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded")
+
+
+def timed_out(message: str) -> OpenAIError:
+    """408: the request passed its deadline (``--request-timeout``) and was aborted."""
+    return OpenAIError(408, message, "timeout_error", None, "request_timeout")
+
+
+def internal_error() -> OpenAIError:
+    """500 for an unexpected exception (the details go to the log, not to the client)."""
+    return OpenAIError(500, "The server had an error while processing your request.", "server_error", None,
+                       "internal_error")
+
+
 def engine_rejected(message: str, param: str) -> OpenAIError:
-    """A 400 for the engine's INVALID_ARGUMENT (context length gets OpenAI's code)."""
-    code = "context_length_exceeded" if "context length" in message else None
-    return bad_request(message, param, code)
+    """A 400 for the engine's INVALID_ARGUMENT (context length gets OpenAI's code; the field named
+    is ``max_tokens`` when that is what does not fit)."""
+    if "context length" not in message:
+        return bad_request(message, param)
+    return bad_request(message, "max_tokens" if "max_tokens" in message else param, "context_length_exceeded")
+
+
+def load_body(raw: bytes):
+    """The JSON value of a request body.
+
+    Raises:
+        OpenAIError: 400 when the body is not JSON (broken, not UTF-8, nested too deeply) or holds a
+            string that is not valid Unicode (a lone surrogate escape such as ``"\\ud800"``),
+            naming the top-level field that holds it.
+    """
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise bad_request(f"the request body is not valid JSON: {reason}") from exc
+    stack = [(body, None)]
+    while stack:  # iterative: a deep body must not exhaust the stack here either
+        value, top = stack.pop()
+        if isinstance(value, str):
+            strings = (value,)
+        elif isinstance(value, dict):
+            strings = tuple(value)
+            stack += [(v, top if top is not None else k) for k, v in value.items()]
+        elif isinstance(value, list):
+            strings = ()
+            stack += [(v, top) for v in value]
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                name = top if top is not None and top.isprintable() and _is_unicode(top) else None
+                where = f"'{name}'" if name else "the request body"
+                raise bad_request(f"{where} holds a string that is not valid Unicode (a lone surrogate "
+                                  f"at character {exc.start})", name) from None
+    return body
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 @dataclass(slots=True)
@@ -79,10 +145,16 @@ def _number(body: dict, name: str, low: float, high: float, *, integer: bool = F
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise bad_request(f"'{name}' must be {kind}, got {value!r}", name)
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+    # NOTE: JSON integers are unbounded (10**400 cannot become a float): test finiteness on floats only.
+    if (isinstance(value, float) and not math.isfinite(value)) or value < low or value > high or \
+            (low_open and value == low):
         lo = "(" if low_open else "["
-        raise bad_request(f"'{name}' must be in {lo}{low}, {high}], got {value}", name)
+        raise bad_request(f"'{name}' must be in {lo}{_plain(low)}, {_plain(high)}], got {value}", name)
     return value
+
+
+def _plain(bound: float) -> int | float:
+    return int(bound) if float(bound).is_integer() else bound
 
 
 def _stop(body: dict) -> list[str]:
@@ -92,6 +164,8 @@ def _stop(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     return list(stops)
 
 
@@ -118,7 +192,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     sampling = {"stop": _stop(body)}
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
-    for name, low, high, integer, low_open in (("temperature", 0, 2, False, False), ("top_p", 0, 1, False, True),
+    for name, low, high, integer, low_open in (("temperature", 0, MAX_TEMPERATURE, False, False), ("top_p", 0, 1, False, True),
                                                ("top_k", -1, 2**31 - 1, True, False),
                                                ("min_p", 0, 1, False, False)):
         value = _number(body, name, low, high, integer=integer, low_open=low_open)

@@ -8,6 +8,13 @@ the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. Th
 of every call is awaited before answering, so the engine's own rejections (context length, bad
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
 engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+
+Calls to the replicas carry the deployment's first API key and, with ``request_timeout``, the
+time left as their gRPC deadline. A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is
+skipped for the next one; when all are full the answer is 429 with ``Retry-After``. A deadline
+that passes answers 408 (or ends a stream with an error event). Every request is counted once in
+``requests_total`` when it ends, with its HTTP status and outcome (``finished``, ``rejected``,
+``cancelled``, ``timeout``, ``error``).
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from shardserve.cluster.metrics import ServeMetrics
 from shardserve.cluster.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
-    engine_rejected, finish_reason, parse_chat, parse_completion, response_body, unavailable, usage_chunk)
+    engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
+    timed_out, unavailable, usage_chunk)
 from shardserve.cluster.replica_pool import LOADING, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.security import FrontConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -37,8 +46,16 @@ StatusFetcher = Callable[[], Awaitable[dict]]
 _GAUGE_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks")
 
 
-def _connect(address: str) -> tuple:
-    channel = grpc.aio.insecure_channel(address)
+_RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one request ends
+_MODEL_NOT_FOUND = "model_not_found"
+
+
+def _connect(address: str, root_certificates: bytes | None = None) -> tuple:
+    """A channel to a replica (TLS when ``root_certificates`` is given) and its stub."""
+    if root_certificates is None:
+        channel = grpc.aio.insecure_channel(address)
+    else:
+        channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
     return channel, pb_grpc.InferenceStub(channel)
 
 
@@ -64,6 +81,9 @@ class _Run:
     first_token_at: list           # per choice: monotonic time of its first token, or None
     started: float
     closed: bool = False           # _finish ran
+    endpoint: str = "chat"         # requests_total label: chat | completions
+    status: int = 499              # HTTP status sent (499: the client left before the answer)
+    outcome: str = "cancelled"     # finished | cancelled | timeout | error (requests_total label)
 
 
 class RouterCore:
@@ -75,12 +95,18 @@ class RouterCore:
         fetchers: one coroutine function per replica returning its ``status()`` dict.
         poll_s: status polling period once every replica is ready (faster while loading).
         load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
+        front: API keys (the first one is sent to the replicas), gRPC TLS (the certificate is
+            trusted when dialling a replica) and the request timeout.
     """
 
     def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
-                 load_tokenizer: Callable[[], object], poll_s: float = 2.0) -> None:
+                 load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
-        self.pool = ReplicaPool(len(fetchers), _connect, _close)
+        self.front = front or FrontConfig()
+        tls = self.front.grpc_tls()
+        self.pool = ReplicaPool(len(fetchers), functools.partial(_connect, root_certificates=tls and tls[0]), _close)
+        self._metadata = (("authorization", f"Bearer {self.front.api_keys[0]}"),) if self.front.api_keys else ()
+        self.created = int(time.time())   # ``created`` of the model card: when this router started
         self.metrics = ServeMetrics()
         self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
         self.tokenizer = self.token_text = None
@@ -141,16 +167,19 @@ class RouterCore:
             return JSONResponse(dict(err.body(), replicas=replicas), status_code=err.status)
         return JSONResponse({"status": "ok", "model": self.served_names[0], "replicas": replicas})
 
-    async def models(self) -> Response:
-        """``GET /v1/models``: the one served model (503 while loading)."""
+    async def models(self, model_id: str | None = None) -> Response:
+        """``GET /v1/models``: the list of the one served model; ``GET /v1/models/{model_id}``: its
+        card (404 for another name). 503 while loading."""
         try:
+            if model_id is not None and model_id not in self.served_names:
+                raise OpenAIError(404, f"The model `{model_id}` does not exist. This server serves "
+                                  f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
             self._ready_or_503()
         except OpenAIError as err:
             return JSONResponse(err.body(), status_code=err.status)
-        info = self.pool.any_info()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.served_names[0], "object": "model", "created": 0, "owned_by": "shardserve",
-            "root": self.model_arg, "max_model_len": info.get("max_model_len")}]})
+        card = {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "shardserve",
+                "root": self.model_arg, "max_model_len": self.pool.any_info().get("max_model_len")}
+        return JSONResponse(card if model_id is not None else {"object": "list", "data": [card]})
 
     async def metrics_text(self) -> Response:
         """Prometheus exposition; replica gauges refreshed from ModelInfo first."""
@@ -158,7 +187,7 @@ class RouterCore:
             info = None
             if replica.stub is not None:
                 try:
-                    msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
+                    msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=self._metadata)
                     info = {name: getattr(msg, name) for name in _GAUGE_FIELDS}
                 except grpc.aio.AioRpcError:
                     info = None
@@ -172,23 +201,26 @@ class RouterCore:
         """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``)."""
         started = time.monotonic()
         endpoint = "chat" if kind == "chat" else "completions"
+        timeout = self.front.request_timeout
         try:
-            try:
-                body = json.loads(raw_body or b"null")
-            except ValueError as exc:
-                raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+            body = load_body(raw_body)
             parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
             if parsed.model is not None and parsed.model not in self.served_names:
                 raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
-                                  f"`{self.served_names[0]}`.", "invalid_request_error", "model", "model_not_found")
+                                  f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
             self._ready_or_503()
             prompt_ids = [self._encode(kind, prompt) for prompt in parsed.prompts]
-            run = await self._start(parsed, prompt_ids, started)
+            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None)
         except OpenAIError as err:
-            self.metrics.requests.labels(endpoint, str(err.status)).inc()
-            return JSONResponse(err.body(), status_code=err.status)
-        self.metrics.requests.labels(endpoint, "200").inc()
+            self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected")
+            headers = {"Retry-After": str(_RETRY_AFTER_S)} if err.status == 429 else None
+            return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        except asyncio.CancelledError:   # the client left before the first token
+            self.metrics.count(endpoint, 499, "cancelled")
+            raise
+        run.endpoint = endpoint
         if parsed.stream:
+            run.status = 200
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
         return await self._complete(run)
 
@@ -210,11 +242,14 @@ class RouterCore:
             sampling.logprobs = parsed.logprobs
         return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids), sampling=sampling)
 
-    async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float) -> _Run:
-        """Open every choice's call on the least-loaded replica and read its first response.
+    async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
+                     deadline: float | None) -> _Run:
+        """Open every choice's call on the least-loaded replica and read its first response; a
+        replica whose queue is full is skipped for the next one.
 
         Raises:
-            OpenAIError: 400 when the engine rejects the request, 503 when no replica can take it.
+            OpenAIError: 400 when the engine rejects the request, 408 past ``deadline`` (monotonic
+                time), 429 when every ready replica's queue is full, 503 when no replica can take it.
         """
         n, max_len = parsed.n, self.pool.any_info().get("max_model_len") or 2**31
         cost_prompt = n * sum(len(ids) for ids in prompt_ids)
@@ -222,13 +257,22 @@ class RouterCore:
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         excluded: tuple[int, ...] = ()
+        full: list[int] = []   # replicas that answered RESOURCE_EXHAUSTED
         while True:
             try:
                 lease = self.pool.pick(cost_prompt, cost_output, excluded)
             except NoReplicaReady as exc:
+                if full:
+                    raise rate_limited(f"the server is at capacity: the waiting queue of every ready replica "
+                                       f"({len(full)}) is full; retry after {_RETRY_AFTER_S} s") from exc
                 raise unavailable(f"no replica can take the request: {exc}") from exc
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                lease.release()
+                raise timed_out(self._timeout_message())
             stub = lease.replica.stub
-            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j))
+            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout=timeout,
+                                   metadata=self._metadata)
                      for p, ids in enumerate(prompt_ids) for j in range(n)]
             try:
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
@@ -245,10 +289,17 @@ class RouterCore:
             lease.release()
             if not isinstance(failure, grpc.aio.AioRpcError):
                 raise failure
-            if failure.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            code = failure.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt")
-            self.pool.mark_unreachable(lease.replica, f"{failure.code().name}: {failure.details()}")
-            excluded += (lease.replica.index,)  # try the next replica; 503 when none is left
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise timed_out(self._timeout_message())
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.metrics.queue_full.labels(str(lease.replica.index)).inc()
+                full.append(lease.replica.index)
+            else:
+                self.pool.mark_unreachable(lease.replica, f"{code.name}: {failure.details()}")
+            excluded += (lease.replica.index,)  # try the next replica; 429 or 503 when none is left
         self.metrics.routed.labels(str(lease.replica.index)).inc()
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
@@ -272,11 +323,26 @@ class RouterCore:
         if resp.finish_reason:
             choice.finish_reason = resp.finish_reason
 
+    def _timeout_message(self) -> str:
+        limit = self.front.request_timeout
+        return f"the request passed its deadline{f' of {limit:g} s' if limit else ''} and was aborted"
+
+    def _failed(self, run: _Run, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        """The error a call's failure after its first response becomes (408 past the deadline, else
+        503: the replica is marked unreachable); sets the run's outcome."""
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            run.status, run.outcome = 408, "timeout"
+            return timed_out(self._timeout_message())
+        self.pool.mark_unreachable(run.lease.replica, exc.details() or exc.code().name)
+        run.status, run.outcome = 503, "error"
+        return unavailable(f"replica {run.lease.replica.index} failed mid-request: {exc.details()}")
+
     def _finish(self, run: _Run) -> None:
         """Cancel what is still open, pay back the lease, record metrics. Idempotent."""
         if run.closed:
             return
         run.closed = True
+        self.metrics.count(run.endpoint, run.status, run.outcome)
         for call in run.calls:
             call.cancel()  # no-op for finished calls; aborts (frees blocks) for abandoned ones
         run.lease.release()
@@ -304,9 +370,9 @@ class RouterCore:
     async def _complete(self, run: _Run) -> Response:
         try:
             await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
+            run.status, run.outcome = 200, "finished"
         except grpc.aio.AioRpcError as exc:
-            self.pool.mark_unreachable(run.lease.replica, exc.details() or exc.code().name)
-            err = unavailable(f"replica {run.lease.replica.index} failed mid-request: {exc.details()}")
+            err = self._failed(run, exc)
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             self._finish(run)
@@ -363,9 +429,9 @@ class RouterCore:
                 if item is None:
                     open_calls -= 1
                 elif isinstance(item, grpc.aio.AioRpcError):
-                    self.pool.mark_unreachable(run.lease.replica, item.details() or item.code().name)
-                    yield _sse_data(unavailable(f"replica {run.lease.replica.index} failed mid-stream: "
-                                                f"{item.details()}").body())
+                    err = self._failed(run, item)
+                    run.status = 200   # the stream had started: the error is its last event
+                    yield _sse_data(err.body())
                     break
                 else:
                     event = self._event(run, index, item, offset)
@@ -376,6 +442,7 @@ class RouterCore:
                     prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())
                     yield _sse_data(usage_chunk(kind, run.request_id, run.created, run.model, prompt,
                                                 sum(c.completion_tokens for c in run.choices)))
+                run.outcome = "finished"
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from shardserve.workers.messages import SamplingOptions
 
+# Limits every front end applies (HTTP as OpenAI does, gRPC and the CLI the same).
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle; every status above PREEMPTED is final (vLLM's ordering trick)."""
@@ -36,9 +41,9 @@ class SamplingParams:
 
     Attributes:
         max_tokens: output tokens at most (>= 1); None = up to the context length.
-        temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
+        temperature: in [0, 2]; 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
         seed: per-request seed, makes sampling reproducible.
-        stop: strings that end the output (not included in it).
+        stop: at most 4 strings that end the output (not included in it).
         stop_token_ids: token ids that end the output (in addition to EOS unless ignore_eos).
         logprobs: None, or N >= 0 = the chosen token's logprob plus the top-N.
     """
@@ -58,16 +63,18 @@ class SamplingParams:
         """Raises ValueError naming the first bad field."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
@@ -104,6 +111,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     sent_to_workers: bool = False       # workers hold state for it (cleared on preemption)
     num_sent_blocks: int = 0            # how many of block_ids the workers have been told about
+    state_slot: int | None = None       # recurrent-state slot of hybrid models (cluster/state_slots.py)
     # Speculative decoding: draft tokens proposed after the last output token, verified (and then
     # cleared) by the next step that schedules this request; never part of the output until accepted.
     spec_token_ids: list[int] = field(default_factory=list)

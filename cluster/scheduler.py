@@ -5,6 +5,11 @@ prefill continues as a chunk), then waiting requests in arrival order (a prefix-
 as already computed). When the pool runs out of blocks the newest running request is preempted
 (its blocks freed, recomputed later). The output is a :class:`workers.messages.StepPlan`: new
 requests in full once, then per-step diffs (tokens to compute, blocks added).
+
+Hybrid recurrent models (Qwen3-Next) also need a state slot per running request
+(:class:`cluster.state_slots.StateSlots`): taken on admission together with the blocks, given back
+wherever the blocks are (finish, abort, preemption; a preempted request is recomputed from
+position 0 on a fresh, zeroed slot).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.request import Request, RequestStatus
+from shardserve.cluster.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, ScheduledRequest, StepPlan
 
 
@@ -37,11 +43,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; allocates blocks through the block manager."""
+    """Owns the waiting queue and the running list; allocates blocks through the block manager
+    (and recurrent-state slots through ``state_slots`` for hybrid models)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 state_slots: StateSlots | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.state_slots = state_slots
+        self.num_preemptions = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []   # to tell the workers in the next plan
@@ -63,7 +73,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request)
+        self._free(request)
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
 
@@ -71,8 +81,14 @@ class Scheduler:
         """Have the next plan tell the workers to drop ``request_id``'s state."""
         self._finished_ids.append(request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _free(self, request: Request) -> None:
         self.block_manager.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
+        self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_probs = [], None
@@ -109,8 +125,12 @@ class Scheduler:
             if self.config.num_speculative_tokens and hits:
                 hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.state_slots is not None and not self.state_slots.num_free:
+                break
             if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
+            if self.state_slots is not None:
+                self.state_slots.allocate(request)
             request.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -120,12 +140,14 @@ class Scheduler:
         return self._build_plan(chosen, preempted)
 
     def _build_plan(self, chosen: list[tuple[Request, int]], preempted: list[Request]) -> ScheduledBatch:
-        plan = StepPlan(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
+        plan = StepPlan()
+        if chosen:   # an empty plan is not executed: keep the notices for the next one
+            plan.finished_req_ids, self._finished_ids = self._finished_ids, []
         batch = ScheduledBatch(plan, preempted=preempted)
         for request, num_new in chosen:
             if not request.sent_to_workers:
-                plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options()))
+                plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options(),
+                                                        request.state_slot))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
             # Drafts that did not fit the budget are dropped; the rest are verified and consumed.

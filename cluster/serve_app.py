@@ -10,10 +10,15 @@ serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
   itself), so tensor parallelism needs no second, nested placement group. The engine loop and
   the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop; the model loads
   in the background, so the app deploys at once and reports "loading" until it is ready.
-- ``OpenAIRouter`` (FastAPI ingress): ``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``. It learns each replica's gRPC address through its
-  deployment handle and forwards requests over the same gRPC API external clients use, to the
-  replica with the fewest outstanding tokens (see :mod:`cluster.openai_router`).
+- ``OpenAIRouter`` (FastAPI ingress, the app of :func:`cluster.openai_app.build_openai_app`,
+  built on the replica after the router core): ``/v1/chat/completions``, ``/v1/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``, ``/docs``. It learns each replica's gRPC address
+  through its deployment handle and forwards requests over the same gRPC API external clients
+  use, to the replica with the fewest outstanding tokens (see :mod:`cluster.openai_router`).
+
+API keys (``api_key``, ``api_key_file`` or ``$SHARDSERVE_API_KEY``, resolved once by
+:func:`build_app`) guard the router's HTTP app and every replica's gRPC server alike; see
+:mod:`cluster.security`.
 
 One deployment per data-parallel replica (rather than ``num_replicas=N``) gives the router a
 handle per replica, hence every replica's gRPC address, without a registry actor.
@@ -25,19 +30,18 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
 from ray import serve
-from starlette.responses import Response
 
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.openai_router import RouterCore
 from shardserve.cluster.replica_pool import FAILED, LOADING, READY
+from shardserve.cluster.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.cluster.worker_group import GroupConfig
-from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS
+from shardserve.workers.model_source import DEFAULT_MODEL, KNOWN_MODELS, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,12 @@ class ServeArgs:
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager, quantization: engine settings
             (see EngineArgs). ``device="cuda"`` with ``gpus_per_worker=0`` reserves one GPU per worker.
+        api_key: accepted API keys, comma-separated or a list (hidden from ``repr``);
+            api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none.
+        max_queued_requests: requests that may wait per replica before new ones get 429.
+        request_timeout: seconds a request may take (None: no limit); past it, 408.
+        grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
+            every node); the router trusts the certificate when it dials them.
     """
 
     model: str = DEFAULT_MODEL
@@ -93,6 +103,12 @@ class ServeArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     quantization: str = "none"
+    api_key: str | list[str] | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    request_timeout: float | None = None
+    grpc_tls_cert: str | None = None
+    grpc_tls_key: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -114,8 +130,10 @@ class ServeArgs:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Raises ValueError for inconsistent settings (engine checks included)."""
+        """Raises ValueError for inconsistent settings (engine and front checks included), or
+        FileNotFoundError for a key or certificate file that does not exist."""
         self.engine_args().validate()
+        self.front_config().validate()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.placement_strategy not in ("PACK", "SPREAD"):
@@ -137,6 +155,12 @@ class ServeArgs:
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""
         return self.gpus_per_worker or (1.0 if self.device == "cuda" else 0.0)
+
+    def front_config(self) -> FrontConfig:
+        """What the router and the replicas' gRPC servers enforce (keys read here)."""
+        return FrontConfig(api_keys=load_api_keys(self.api_key, self.api_key_file),
+                           max_queued_requests=self.max_queued_requests, request_timeout=self.request_timeout,
+                           grpc_tls_cert=self.grpc_tls_cert, grpc_tls_key=self.grpc_tls_key)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -189,7 +213,8 @@ class ModelReplica:
         coordinator = None
         try:
             # The constructor blocks on Ray calls (spawn ranks, load weights): keep the loop free.
-            coordinator = await asyncio.to_thread(Coordinator, self.args.engine_args(), self.args.group_config())
+            coordinator = await asyncio.to_thread(Coordinator, self.args.engine_args(), self.args.group_config(),
+                                                  self.args.front_config())
             port = self.args.grpc_port + self.index if self.args.grpc_port else 0
             self.address = await coordinator.start_grpc(port, self.args.grpc_host)
             self.coordinator = coordinator
@@ -226,14 +251,13 @@ class ModelReplica:
             await self.coordinator.shutdown()  # stops gRPC, the ranks, and frees shared memory
 
 
-app = FastAPI(title="shardserve", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-def _typed(fn):
-    """Resolve a route's string annotations (PEP 563) to the real classes: Serve's class-based
-    FastAPI view re-reads the signature and would take ``request: "Request"`` for a query field."""
-    fn.__annotations__ = typing.get_type_hints(fn)
-    return fn
+def _not_an_open_route_access_log(record: logging.LogRecord) -> bool:
+    """Drop Serve's access-log lines of ``GET /health`` (polled by start-up waits and probes every
+    few seconds); every other request is still logged."""
+    if not getattr(record, "serve_access_log", False):
+        return True
+    route, message = getattr(record, "route", None), record.getMessage()
+    return not any(route == path and f"{method} {path} " in message for method, path in OPEN_ROUTES)
 
 
 async def _replica_status(handle) -> dict:
@@ -248,9 +272,10 @@ def _load_tokenizer(model: str):
 
 
 @serve.deployment(max_ongoing_requests=1024)
-@serve.ingress(app)
+@serve.ingress()
 class OpenAIRouter:
-    """The HTTP ingress (see :class:`cluster.openai_router.RouterCore` for the behaviour).
+    """The HTTP ingress (see :class:`cluster.openai_router.RouterCore` for the behaviour and
+    :func:`cluster.openai_app.build_openai_app` for the routes and the API-key guard).
 
     Args:
         args: :class:`ServeArgs` as a dict.
@@ -259,36 +284,17 @@ class OpenAIRouter:
 
     async def __init__(self, args: dict, replicas: list) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("ray.serve").addFilter(_not_an_open_route_access_log)
         cfg = ServeArgs.from_dict(args)
+        self.front = cfg.front_config()
         self.core = RouterCore(cfg.model, cfg.served_names(),
                                [functools.partial(_replica_status, handle) for handle in replicas],
-                               functools.partial(_load_tokenizer, cfg.model))
+                               functools.partial(_load_tokenizer, cfg.model), front=self.front)
         self.core.start()
 
-    @app.post("/v1/chat/completions")
-    @_typed
-    async def chat_completions(self, request: Request) -> Response:
-        return await self.core.generate("chat", await request.body())
-
-    @app.post("/v1/completions")
-    @_typed
-    async def completions(self, request: Request) -> Response:
-        return await self.core.generate("completion", await request.body())
-
-    @app.get("/v1/models")
-    @_typed
-    async def models(self) -> Response:
-        return await self.core.models()
-
-    @app.get("/health")
-    @_typed
-    async def health(self) -> Response:
-        return await self.core.health()
-
-    @app.get("/metrics")
-    @_typed
-    async def metrics(self) -> Response:
-        return await self.core.metrics_text()
+    def __serve_build_asgi_app__(self):
+        """Serve's hook, called after ``__init__``: the app that answers HTTP on this replica."""
+        return build_openai_app(self.core, self.front.api_keys)
 
     async def __del__(self) -> None:
         await self.core.close()
@@ -303,9 +309,9 @@ def build_app(args: dict | None = None) -> serve.Application:
         FileNotFoundError: the model is neither a known name nor an existing path.
     """
     cfg = ServeArgs.from_dict(args)
-    if cfg.model not in KNOWN_MODELS and not Path(cfg.model).expanduser().exists():
-        raise FileNotFoundError(f"model {cfg.model!r}: not a known model name ({', '.join(KNOWN_MODELS)}), "
-                                "a .gguf file or a checkpoint folder")
+    check_model(cfg.model)
+    # Keys are read once, here (the environment of whoever builds the app), and passed to every deployment.
+    cfg.api_key, cfg.api_key_file = load_api_keys(cfg.api_key, cfg.api_key_file), None
     raw = cfg.to_dict()
     replicas = [
         ModelReplica.options(

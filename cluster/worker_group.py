@@ -92,6 +92,7 @@ class WorkerGroup:
                 raise cause from None
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
+        self.num_state_slots = infos[0]["num_state_slots"]   # same on every rank (max_num_seqs + 1 or 0)
         try:
             cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         except Exception as exc:
@@ -129,6 +130,8 @@ class WorkerGroup:
         else:
             info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote())}
         ray.get([w.init_group.remote(kind, info) for w in self.workers])  # concurrent: ranks rendezvous
+        if self._segment is not None:
+            self._segment.unlink()   # every rank has it mapped: no name left behind, however Ray stops them
         return kind
 
     def _compile(self) -> None:

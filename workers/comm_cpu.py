@@ -153,9 +153,15 @@ class SharedMemorySegment:
         flags[self.tp_size * _FLAG_STRIDE] = 1
         del flags
 
-    def close(self) -> None:
+    def unlink(self) -> None:
+        """Remove the segment's name once every rank has attached. The memory stays mapped in each
+        process until it exits, but nothing is left in ``/dev/shm`` however the processes end
+        (``ray stop``, SIGKILL, a crash), since nothing names it any more. Idempotent."""
         try:
-            self.shm.close()
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+    def close(self) -> None:
+        self.shm.close()
+        self.unlink()

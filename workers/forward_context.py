@@ -25,6 +25,7 @@ class AttentionMetadata:
     max_query_len: int              # host copy of max(q_len)
     max_seq_len: int                # host copy of max(seq_lens)
     step_cache: dict = field(default_factory=dict)  # tensors derived from the above, built once per step
+    state: object = None            # StateMetadata (workers/state_cache.py) of hybrid recurrent models, else None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -17,6 +17,7 @@ import torch
 from shardserve.workers.device import DoesNotFitError, MemoryPlan, cuda_cache_budget, gib
 from shardserve.workers.forward_context import forward_context
 from shardserve.workers.sampler import filter_logits
+from shardserve.workers.state_cache import SeqGroup, StateMetadata
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, device_batch
 
 
@@ -50,17 +51,22 @@ def profile_forward(model, device: torch.device, block_size: int, max_num_batche
     num_tokens = min(max_num_batched_tokens, max_model_len)
     num_blocks = -(-num_tokens // block_size) + 1
     layers = model.attention_layers()
-    cache_bytes = allocate(layers, num_blocks)
+    state_layers = getattr(model, "state_layers", list)()   # hybrid models: one recurrent-state slot
+    cache_bytes = allocate(layers, num_blocks) + (allocate(state_layers, 1) if state_layers else 0)
     try:
         host = profile_batch(num_tokens, max_model_len, block_size, num_blocks)
         input_ids, meta, rows = device_batch(host, DeviceStager(device))
+        if state_layers:   # the chunk runs the chunked rule from slot 0 (contents do not matter)
+            cu_seqlens = torch.tensor([0, len(host.input_ids)], dtype=torch.int32, device=device)
+            slots = torch.zeros(1, dtype=torch.int32, device=device)
+            meta.state = StateMetadata(cu_seqlens, slots, SeqGroup(None, cu_seqlens, slots), None, keep=False)
         with forward_context(meta):
             hidden = model(input_ids, meta.positions)
         logits = model.compute_logits(hidden[rows].expand(max_num_seqs, -1))      # [max_num_seqs, vocab]
         ones = torch.ones(max_num_seqs, device=device)
         filter_logits(logits, ones.long(), ones * 0.9, ones * 0.0).softmax(-1)
     finally:
-        for layer in layers:
+        for layer in [*layers, *state_layers]:
             layer.kv_cache = tuple(torch.empty(0, device=device) for _ in layer.cache_spec(1, block_size))
     return cache_bytes
 

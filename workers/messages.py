@@ -28,6 +28,7 @@ class NewRequestData:
 
     req_id: str                     # unique while the request lives
     sampling: SamplingOptions       # used by rank 0 only
+    state_slot: int | None = None   # recurrent-state slot (hybrid models, cluster/state_slots.py); None otherwise
 
 
 @dataclass(slots=True)

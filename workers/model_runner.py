@@ -7,7 +7,8 @@ weights, the KV / indexer caches, the step's inputs (one host-to-device copy) an
 generators; only the sampled token ids (and logprobs, logits or hidden states when asked) come back.
 Features live in helpers: the sampler, the model classes, ``workers/device.py`` (device, dtype and
 memory rules), ``workers/step_inputs.py`` (input layout and upload), ``workers/memory_profile.py``
-(KV sizing on CUDA) and ``workers/cuda_graphs.py`` (captured decode steps).
+(KV sizing on CUDA), ``workers/cuda_graphs.py`` (captured decode steps) and
+``workers/state_cache.py`` (the recurrent-state pool of hybrid models).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
 
@@ -48,7 +50,7 @@ class RunnerConfig:
     enforce_eager: bool = False          # no decode graphs on CUDA
     decode_graphs: str = "auto"          # "auto": CUDA graphs on CUDA unless enforce_eager; "replay": the
                                          # eager stand-in on any device (tests, dry runs); "off"
-    max_num_seqs: int = 64               # largest decode batch (graph sizes, profiling)
+    max_num_seqs: int = 64               # largest decode batch (graph sizes, profiling, recurrent-state pool)
     max_num_batched_tokens: int = 2048   # largest step (profiling)
     max_model_len: int | None = None     # longest sequence (graph table width, profiling); None = the model's
     seed: int = 0                        # seed of the generator for unseeded requests
@@ -133,8 +135,11 @@ class ModelRunner:
         device / dtype: where and in what the rank computes.
         num_blocks: KV blocks allocated on this rank (the coordinator's pool; with decode graphs one
             more scratch block follows them).
-        weight_bytes / cache_bytes: memory held by weights and by the caches on this rank.
+        weight_bytes / cache_bytes: memory held by weights and by the caches (with the
+            recurrent-state pool, if any) on this rank.
         memory: the rank's :class:`workers.device.MemoryPlan` (weights, activations, cache budget).
+        num_state_slots: recurrent-state slots (hybrid models: ``max_num_seqs + 1``, one spare for
+            ``EngineCore.prompt_logits`` probes; 0 otherwise).
 
     Raises:
         DeviceConfigError: ``--device cuda`` on a rank without a GPU.
@@ -166,6 +171,9 @@ class ModelRunner:
         self.num_blocks, self.cache_bytes = 0, 0
         self.graphs = None
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
+        self.state_layers = getattr(self.model, "state_layers", list)()
+        self.num_state_slots = config.max_num_seqs + 1 if self.state_layers else 0
+        self.state_cache: StateCache | None = None
         if self.device.type == "cuda" and config.num_blocks is None:
             self.profile_memory()
         if config.num_blocks is not None:
@@ -178,8 +186,8 @@ class ModelRunner:
         mode = self.config.decode_graphs
         if mode == "replay":
             return "replay"
-        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda":
-            return None
+        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda" or self.state_layers:
+            return None   # NOTE: hybrid models' recurrent-state steps run eagerly (not captured yet)
         from shardserve.kernels.dispatch import use_triton
 
         # The torch references sync with the host (data-dependent shapes): not capturable.
@@ -221,13 +229,29 @@ class ModelRunner:
         """KV cache bytes one block takes on this rank, over all layers."""
         return cache_bytes(self.model.attention_layers(), 1, self.block_size)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers)."""
+        return cache_bytes(self.state_layers, self.num_state_slots, 1)
+
     def max_num_blocks(self) -> int:
-        """Blocks that fit this rank's budget (``num_blocks`` when set; else the CUDA profile's or
-        the CPU ``kv_cache_bytes`` budget), less the graphs' scratch block."""
+        """Blocks that fit this rank's budget (``num_blocks`` when set; else what the CUDA profile's
+        or the CPU ``kv_cache_bytes`` budget leaves after the recurrent-state pool), less the
+        graphs' scratch block.
+
+        Raises:
+            ValueError: the state pool alone exceeds the budget.
+        """
         if self.config.num_blocks:
             return self.config.num_blocks
         budget = self.memory.cache if self.device.type == "cuda" else self.config.kv_cache_bytes
-        return max(1, budget // self.bytes_per_block - (self.graph_backend is not None))
+        left = budget - self.state_bytes
+        if self.state_layers and left < self.bytes_per_block:
+            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-gib"
+            raise ValueError(f"the recurrent-state pool ({self.num_state_slots} slots, {self.state_bytes / 2**20:.1f} "
+                             f"MiB) leaves no room for KV blocks in {budget / 2**20:.1f} MiB; "
+                             f"raise {flag} or lower --max-num-seqs")
+        return max(1, left // self.bytes_per_block - (self.graph_backend is not None))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every layer's cache tensors on the device (every rank
@@ -237,6 +261,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks + (backend is not None),
                                            self.block_size, self.device)
+        if self.state_layers:   # one state slot per sequence, beside the KV cache (same allocator)
+            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots, 1, self.device)
+            self.state_cache = StateCache(self.state_layers)
+            logger.info("rank %d: recurrent-state pool %.1f MiB in %d slots", get_tp_group().tp_rank,
+                        self.state_bytes / 2**20, self.num_state_slots)
         memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
         logger.info("rank %d on %s (%s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in %d blocks of %d "
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
@@ -262,6 +291,8 @@ class ModelRunner:
         named = list(self.model.named_parameters()) + list(self.model.named_buffers())
         for idx, layer in enumerate(self.model.attention_layers()):
             named += [(f"cache.{idx}.{i}", t) for i, t in enumerate(layer.kv_cache or ())]
+        for idx, layer in enumerate(self.state_layers):
+            named += [(f"state.{idx}.{i}", t) for i, t in enumerate(layer.kv_cache or ())]
         if self.graphs is not None:
             named += [(f"graphs.{name}", t) for name, t in self.graphs.named_tensors()]
         if self.last_hidden_states is not None:
@@ -286,7 +317,13 @@ class ModelRunner:
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
-        return device_batch(self._host_batch(plan), self.stager)
+        return self._device_inputs(self._host_batch(plan), plan)
+
+    def _device_inputs(self, host: HostBatch, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        input_ids, meta, rows = device_batch(host, self.stager)
+        if self.state_cache is not None:   # hybrid models: the recurrent-state slots of this step
+            meta.state = self.state_cache.begin_step(plan)
+        return input_ids, meta, rows
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
@@ -301,7 +338,7 @@ class ModelRunner:
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
             hidden, rows = self.graphs.run(host, self.stager), None
         else:
-            input_ids, meta, rows = device_batch(host, self.stager)
+            input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
                 hidden = self.model(input_ids, meta.positions)
         if plan.return_hidden:

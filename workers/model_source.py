@@ -74,15 +74,38 @@ def resolve_model(model: str) -> ModelFiles:
     Raises:
         FileNotFoundError: ``model`` is neither a known name nor an existing path.
     """
+    check_model(model)
     if model in KNOWN_MODELS:
         return ModelFiles(model, _fetch_known(model))
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file():
         return ModelFiles(path.stem, path.resolve())
-    if path.is_dir():
-        return ModelFiles(path.name, path.resolve())
-    raise FileNotFoundError(
-        f"model {model!r}: not a known model name ({', '.join(KNOWN_MODELS)}), a .gguf file or a checkpoint folder")
+    return ModelFiles(path.name, path.resolve())
+
+
+def check_model(model: str) -> None:
+    """Cheap check of a model argument, before anything is loaded or downloaded.
+
+    Raises:
+        FileNotFoundError: ``model`` is not a known name and no such file or folder exists, or it is
+            a file that is not ``.gguf`` (the message says which).
+    """
+    if model in KNOWN_MODELS:
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r}: no such file or folder (a model is a known name: "
+                                f"{', '.join(KNOWN_MODELS)}; a .gguf file; or an HF checkpoint folder)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise FileNotFoundError(f"model {model!r}: a file that is not .gguf; for safetensors checkpoints pass "
+                                "the folder that holds config.json")
+
+
+def is_gguf_model(model: str) -> bool:
+    """Whether a model argument names a GGUF file (a known name's file counts), without reading it."""
+    if model in KNOWN_MODELS:
+        return KNOWN_MODELS[model][1].endswith(".gguf")
+    return Path(model).suffix == ".gguf"
 
 
 def load_config(files: ModelFiles):

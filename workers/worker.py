@@ -79,9 +79,10 @@ class ShardWorker:
         """Build this rank's model shard (only its slice of each weight).
 
         Returns:
-            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "pid", "memory"}`` for the
-            coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block count
-            of any rank (``memory``: :meth:`ModelRunner.memory_info`).
+            ``{"max_num_blocks", "bytes_per_block", "weight_bytes", "num_state_slots", "pid", "memory"}``
+            for the coordinator, which then calls :meth:`allocate_kv_cache` with the smallest block
+            count of any rank (``num_state_slots``: recurrent-state slots of hybrid models, else 0;
+            ``memory``: :meth:`ModelRunner.memory_info`).
 
         Raises:
             DeviceConfigError / DoesNotFitError: (``ValueError``) no GPU for ``--device cuda``, or
@@ -89,7 +90,8 @@ class ShardWorker:
         """
         self.runner = ModelRunner(files, hf_config, config, progress=False)
         return {"max_num_blocks": self.runner.max_num_blocks(), "bytes_per_block": self.runner.bytes_per_block,
-                "weight_bytes": self.runner.weight_bytes, "pid": os.getpid(), "memory": self.runner.memory_info()}
+                "weight_bytes": self.runner.weight_bytes, "num_state_slots": self.runner.num_state_slots,
+                "pid": os.getpid(), "memory": self.runner.memory_info()}
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate the paged caches (and capture the decode graphs); returns the caches' bytes on this rank."""

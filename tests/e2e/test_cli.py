@@ -16,23 +16,12 @@ from shardserve.workers import model_source
 pytestmark = pytest.mark.slow
 
 
-def test_generate_answers_paris(smollm2_files):
-    exe = Path(sys.executable).parent / "shardserve"
-    proc = subprocess.run([str(exe), "generate", "--model", "smollm2-135m-instruct", "--chat", "--prompt",
-                           "What is the capital of France?", "--max-tokens", "16", "--temperature", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
-    assert "loading weights" in proc.stderr or "INFO" in proc.stderr  # logs and progress go to stderr
-    assert "INFO" not in proc.stdout
-
-
 def test_generate_bad_argument_is_a_clear_error():
     exe = Path(sys.executable).parent / "shardserve"
     proc = subprocess.run([str(exe), "generate", "--model", "/no/such/model.gguf", "--prompt", "hi"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "not a known model name" in proc.stderr
+    assert "no such file or folder" in proc.stderr
 
 
 @pytest.mark.parametrize("command,bad,message", [

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -121,7 +122,10 @@ def test_cancelled_stream_frees_its_blocks(server):
     ({"text": ""}, "prompt must not be empty"),
     ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=-1)}, "max_tokens must be at least 1"),
     ({"text": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
+    ({"text": "hi", "sampling": pb.SamplingParams(temperature=2.5)}, "temperature must be in [0, 2]"),
+    ({"text": "hi", "sampling": pb.SamplingParams(stop=list("abcde"))}, "at most 4 stop strings"),
     ({"token_ids": pb.TokenIds(ids=[42] * (MAX_MODEL_LEN + 10))}, f"context length is {MAX_MODEL_LEN}"),
+    ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=MAX_MODEL_LEN)}, "max_tokens asks for 512 more"),
     ({"chat": pb.Chat()}, "messages must be a non-empty list"),
 ])
 def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, request_kwargs, message):
@@ -134,10 +138,14 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, request_
     assert len(tokens) == 2 and last.finish_reason == "length"
 
 
-def test_model_info(server):
+def test_model_info(server, ray_cluster):
     info = stub(server).ModelInfo(pb.ModelInfoRequest())
     assert (info.architecture, info.tensor_parallel_size, info.max_model_len) == ("LlamaForCausalLM", 2, MAX_MODEL_LEN)
     assert info.vocab_size == 49152 and info.healthy and info.collective == "shm"
+    # The ranks have mapped the all-reduce segment, and its name is already gone: however Ray stops
+    # them (`ray stop`, SIGKILL), nothing is left in /dev/shm.
+    name = ray_cluster.get(server[0].__ray_call__.remote(lambda coordinator: coordinator.group._segment.name))
+    assert name and not (Path("/dev/shm") / name).exists()
 
 
 def test_worker_death_ends_streams_with_unavailable(server, ray_cluster):

@@ -34,6 +34,8 @@ def error_of(parse, body) -> OpenAIError:
     (parse_chat, {"messages": CHAT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     (parse_chat, {"messages": CHAT, "max_completion_tokens": "5"}, "max_completion_tokens", "integer"),
     (parse_chat, {"messages": CHAT, "stop": [""]}, "stop", "stop"),
+    (parse_chat, {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
+    (parse_chat, {"messages": CHAT, "temperature": 2.5}, "temperature", "'temperature' must be in [0, 2], got 2.5"),
     (parse_chat, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     (parse_chat, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (parse_chat, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
@@ -143,7 +145,7 @@ def test_app_arguments():
     assert ServeArgs.from_dict({"indexer_cache_dtype": "fp8"}).engine_args().indexer_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="indexer-cache-dtype"):
         ServeArgs.from_dict({"indexer_cache_dtype": "fp4"})
-    with pytest.raises(FileNotFoundError, match="not a known model name"):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
         build_app({"model": "/no/such/model.gguf"})
     gpu = ServeArgs.from_dict({"tensor_parallel_size": 2, "device": "cuda", "dtype": "bfloat16"})
     assert gpu.replica_bundles() == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
@@ -161,3 +163,84 @@ def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
         assert app["import_path"] == "shardserve.cluster.serve_app:build_app"
         args = ServeArgs.from_dict(app["args"])
         assert args.tensor_parallel_size == 2 and args.model == "smollm2-135m-instruct"
+
+
+# -- the HTTP app in-process: the same builder Serve runs (no replicas: everything here is answered
+#    before a replica is needed) -------------------------------------------------------------------
+
+KEY = "sk-test-key"
+
+
+async def _loading() -> dict:
+    return {"state": "loading", "address": None, "error": None, "info": None}
+
+
+def app_requests(requests: list[tuple[str, str, dict, bytes | None]], api_keys=(KEY,), patch=None) -> list:
+    """Send ``(method, path, headers, body)`` to a fresh app (router core with one loading replica)
+    through ASGI in this process; returns the ``httpx2`` responses."""
+    import httpx2
+
+    from shardserve.cluster.openai_app import build_openai_app
+
+    async def scenario():
+        core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
+        core.start()
+        if patch:
+            patch(core)
+        app = build_openai_app(core, list(api_keys))
+        try:
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://app") as client:
+                return [await client.request(m, p, headers=h, content=b) for m, p, h, b in requests], app
+        finally:
+            await core.close()
+
+    return asyncio.run(scenario())
+
+
+MODEL = "smollm2-135m-instruct"
+BEARER = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_every_route_and_unknown_paths_need_the_key_except_get_health():
+    (_, app) = app_requests([])
+    routes = [(method, route.path.replace("{model:path}", MODEL)) for route in app.routes
+              for method in sorted(route.methods)] + [("GET", "/no/such/route"), ("POST", "/v1/chat/completion")]
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/openapi.json") in routes
+    bad_auth = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}]
+    requests = [(m, p, h, b"{}" if m == "POST" else None) for m, p in routes for h in bad_auth]
+    responses, _ = app_requests(requests)
+    for (method, path, headers, _), resp in zip(requests, responses):
+        if (method, path) == ("GET", "/health"):
+            assert resp.status_code == 503, (method, path)        # open: loading, not 401
+            continue
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", (method, path, headers)
+        if method != "HEAD":
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+    with_key, _ = app_requests([(m, p, BEARER, b"{}" if m == "POST" else None) for m, p in routes])
+    assert all(resp.status_code != 401 for resp in with_key)
+
+
+def test_routing_errors_and_bad_unicode_are_openai_bodies_and_a_crash_is_a_json_500():
+    def crash(core):
+        async def boom(kind, body):
+            raise RuntimeError("unexpected")
+        core.generate = boom
+
+    requests = [("GET", "/no/such/route", BEARER, None), ("GET", "/v1/chat/completions", BEARER, None),
+                ("DELETE", "/v1/models", BEARER, None), ("GET", f"/v1/models/not-{MODEL}", BEARER, None),
+                ("POST", "/v1/completions", BEARER, b'{"prompt": "\\ud800 x", "max_tokens": 2}'),
+                ("POST", "/v1/chat/completions", BEARER,
+                 b'{"messages": [{"role": "user", "content": "a\\udfff"}], "user": "u"}'),
+                ("POST", "/v1/completions", BEARER, b"[" * 100_000 + b"]" * 100_000),
+                ("POST", "/v1/completions", BEARER, b'{"prompt": "\xff\xfe"}')]
+    responses, _ = app_requests(requests)
+    codes = [(r.status_code, r.json()["error"]["code"]) for r in responses]
+    assert codes == [(404, "not_found"), (405, "method_not_allowed"), (405, "method_not_allowed"),
+                     (404, "model_not_found"), (400, None), (400, None), (400, None), (400, None)]
+    assert responses[1].headers["allow"] == "POST"
+    assert responses[4].json()["error"]["param"] == "prompt" and "not valid Unicode" in responses[4].text
+    assert responses[5].json()["error"]["param"] == "messages"
+    assert "nested too deeply" in responses[6].text and "not valid JSON" in responses[7].text
+    (crashed,), _ = app_requests([("POST", "/v1/completions", BEARER, b"{}")], patch=crash)
+    assert crashed.status_code == 500 and crashed.headers["content-type"] == "application/json"
+    assert crashed.json()["error"]["type"] == "server_error" and "unexpected" not in crashed.text

@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode",
        "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer fp8-cache decode",
-       "indexer prefill", "fused_moe", "fp8_linear", "fp8 fused_moe"]
+       "indexer prefill", "fused_moe", "fp8_linear", "fp8 fused_moe", "gated_delta decode", "gated_delta chunked prefill",
+       "causal_conv1d decode", "causal_conv1d prefill"]
 CHECKS = ["kernels: every Triton kernel", "placement: llama on cpu", "placement: deepseek_v32 on cpu",
           "parity fp32: llama", "parity bf16: deepseek_v32", "parity fp8: V3.2 FP8 kept", "graphs: llama decode",
           "graphs: deepseek_v32 decode", "memory: profiling forward ran"]

@@ -1,5 +1,5 @@
 """Whole models on the Triton kernels (interpreted on CPU) give the torch path's greedy tokens:
-a tiny Llama written by transformers and tiny DeepSeek-V3, V3.2 and GLM-5 checkpoints, a batch of
+a tiny Llama written by transformers and tiny DeepSeek-V3, V3.2, GLM-5 and Qwen3-Next checkpoints, a batch of
 two sequences (one prefilled in two chunks across a block boundary) then greedy decode. Every
 Triton entry point the model should use is counted, so a model that silently falls back to torch
 fails."""
@@ -32,6 +32,13 @@ EXPECTED = {
                               ("fused_moe_triton", "fused_moe_triton")],
 }
 EXPECTED["glm_moe_dsa"] = EXPECTED["deepseek_v32"]
+EXPECTED["qwen3_next"] = EXPECTED["llama"] + [("fused_moe_triton", "fused_moe_triton"),
+                                              ("causal_conv1d_triton", "causal_conv1d_triton"),
+                                              ("gated_delta_triton", "gated_delta_chunk_triton"),
+                                              ("gated_delta_triton", "gated_delta_recurrent_triton")]
+# Fewer layers where the interpreter is slow: one DeltaNet (dense MLP) and one attention (MoE) layer.
+OVERRIDES = {"qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                mlp_only_layers=[])}
 EXPECTED["deepseek_v3"] = [entry for entry in EXPECTED["deepseek_v32"]              # no DSA indexer
                            if entry[0] not in ("indexer_triton", "hadamard_triton")]
 
@@ -62,13 +69,15 @@ def greedy_run(path: Path, steps: int = 4, **switches) -> tuple[dict, torch.Tens
 
 
 @pytest.mark.parametrize("arch,switches", [("llama", {}), ("deepseek_v3", {}), ("deepseek_v32", {}),
-                                           ("glm_moe_dsa", {}), ("deepseek_v32", {"indexer_cache_dtype": "fp8"})],
-                         ids=["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v32-fp8-indexer-cache"])
+                                           ("glm_moe_dsa", {}), ("deepseek_v32", {"indexer_cache_dtype": "fp8"}),
+                                           ("qwen3_next", {})],
+                         ids=["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v32-fp8-indexer-cache",
+                              "qwen3_next"])
 def test_triton_kernels_give_the_torch_tokens(arch, switches, tmp_path, monkeypatch):
     if arch == "llama":
         write_tiny_llama(tmp_path)
     else:
-        write_tiny_checkpoint(arch, tmp_path, seed=0)
+        write_tiny_checkpoint(arch, tmp_path, seed=0, **OVERRIDES.get(arch, {}))
     monkeypatch.setenv("SHARDSERVE_KERNELS", "torch")
     torch_tokens, torch_logits = greedy_run(tmp_path, **switches)
     calls = count_calls(monkeypatch, EXPECTED[arch])

@@ -34,3 +34,10 @@ def tiny_model(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def qwen3_next(tmp_path_factory) -> TinyModel:
+    """The tiny Qwen3-Next checkpoint (seed 0) with the word-level test tokenizer, written once."""
+    path = tmp_path_factory.mktemp("qwen3_next")
+    return TinyModel("qwen3_next", path, write_tiny_checkpoint("qwen3_next", path, seed=0, tokenizer=True))

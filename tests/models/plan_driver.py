@@ -37,13 +37,15 @@ class PlanDriver:
         self.free = torch.randperm(runner.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tokens: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}
+        self.free_slots = list(range(runner.num_state_slots))   # recurrent-state slots (hybrid models)
 
     def plan(self, work: dict[str, list[int]]) -> StepPlan:
         """One step computing ``work[req]`` for each request, every one sampling its last token."""
         plan = StepPlan()
         for req_id, token_ids in work.items():
             if req_id not in self.tokens:
-                plan.new_requests.append(NewRequestData(req_id, SamplingOptions(temperature=0)))
+                slot = self.free_slots.pop() if self.free_slots else None
+                plan.new_requests.append(NewRequestData(req_id, SamplingOptions(temperature=0), slot))
                 self.tokens[req_id], self.num_blocks[req_id] = [], 0
             start = len(self.tokens[req_id])
             needed = math.ceil((start + len(token_ids)) / self.runner.block_size) - self.num_blocks[req_id]

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of DeepseekV3 / DeepseekV32 / GlmMoeDsa, written by transformers itself.
+"""Tiny random checkpoints of DeepseekV3 / DeepseekV32 / GlmMoeDsa / Qwen3Next, written by transformers itself.
 
 Each checkpoint is built with transformers' own config and model classes and saved with
 ``save_pretrained`` (so both engines read the same files, in the same per-expert layout real
@@ -56,13 +56,27 @@ TINY_CONFIGS: dict[str, dict] = {
                         n_shared_experts=2, rms_norm_eps=1e-5,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                         indexer_types=["full", "full", "shared", "full"]),
+    # Hybrid: 4 gated-DeltaNet + 2 gated-attention layers; 4 KV groups and 4 key heads (2 value heads
+    # each) so TP splits 3 + 1; partial RoPE on 4 of 16 dims; MoE on layers 1 and 3
+    # (decoder_sparse_step=2, layer 5 forced dense by mlp_only_layers).
+    "qwen3_next": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                       layer_types=["linear_attention", "linear_attention", "full_attention",
+                                    "linear_attention", "linear_attention", "full_attention"],
+                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                       linear_num_key_heads=4, linear_num_value_heads=8,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[5],
+                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
 }
 
 
 def _classes(arch: str):
     import transformers
 
-    names = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}[arch]
+    names = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa",
+             "qwen3_next": "Qwen3Next"}[arch]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 
@@ -91,6 +105,22 @@ def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
             tensor.copy_(noise)
         else:                                 # [.., out, in] linear weights: unit-variance outputs
             tensor.copy_(noise / math.sqrt(tensor.shape[-1]))
+    if "qwen3_next" in type(model).__module__:
+        _redraw_qwen3_next(model, generator)
+
+
+@torch.no_grad()
+def _redraw_qwen3_next(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Qwen3-Next: zero-centred RMSNorm weights (``x_hat * (1 + w)``; all but the DeltaNet's gated
+    norm) near 0, and DeltaNet decays ``exp(-exp(A_log) * softplus(a + dt_bias))`` between about
+    0.6 and 0.995 per token, so the recurrent state carries information across the test prompts."""
+    for name, tensor in model.named_parameters():
+        if name.endswith("A_log"):
+            tensor.copy_(torch.empty(tensor.shape).uniform_(0.05, 1.0, generator=generator).log())
+        elif name.endswith("dt_bias"):
+            tensor.copy_(-2.0 + 0.5 * torch.randn(tensor.shape, generator=generator))
+        elif name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+            tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
 
 
 def build_hf_model(arch: str, seed: int = 0, **overrides):

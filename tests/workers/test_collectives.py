@@ -3,6 +3,7 @@ and gathers (uneven sizes), bitwise equal on every rank; an aborted segment unbl
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def _wait_alone(name: str, out: dict) -> None:
         group.close()
 
 
-def test_abort_unblocks_a_rank_waiting_for_a_dead_peer():
+def test_abort_unblocks_a_rank_waiting_for_a_dead_peer_after_the_name_is_gone():
     segment = SharedMemorySegment(2, max_floats=16)
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
@@ -87,6 +88,10 @@ def test_abort_unblocks_a_rank_waiting_for_a_dead_peer():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _flag(segment, 1) == 0:  # rank 1 entered its collective
             time.sleep(0.01)
+        # Once every rank is attached the name goes (as WorkerGroup does): nothing can outlive the
+        # processes in /dev/shm, and the mapping still works (the abort below reaches rank 1).
+        segment.unlink()
+        assert not (Path("/dev/shm") / segment.name).exists()
         segment.abort()
         proc.join(timeout=30)
         result = out.get("result")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from shardserve.workers.models.deepseek_v32 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from shardserve.workers.models.llama import LlamaForCausalLM
+from shardserve.workers.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -1,0 +1,447 @@
+"""The front door of a real ``shardserve serve`` (its own Ray cluster, 2 replicas of TP=1, one
+sequence and one waiting request per replica) started with an API key, HTTPS and gRPC over TLS:
+every route needs the key but ``GET /health``, every gRPC method but health's, refused requests do
+no work, full queues answer 429 after the other replica was tried, deadlines free every block,
+hostile bodies never get a 5xx, and the official clients work over TLS.
+
+The fuzz and the HTTP deadline also run in this process through the same app builder Serve runs
+(:func:`cluster.openai_app.build_openai_app`), wired to this server's real replicas over gRPC/TLS
+with the key: fast, and every body that passes validation reaches a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from certs import self_signed_certificate
+from procs import BIN, free_port, stop_process_group, subprocess_env, wait_for
+from shardserve.cluster.openai_app import build_openai_app
+from shardserve.cluster.openai_router import RouterCore
+from shardserve.cluster.security import FrontConfig
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+MODEL = "smollm2-135m-instruct"
+KEY = "sk-front-door-test"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+BAD_AUTH = [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}]   # none, wrong, no "Bearer"
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"   # greedy: counts on, never stops by itself
+
+
+@dataclass
+class Front:
+    proc: subprocess.Popen
+    port: int
+    grpc_addresses: list[str]
+    cert: Path
+    key_file: Path
+    context: ssl.SSLContext
+    logs: Path                  # Ray's log folder of the server's cluster
+    stdout: list[str]           # the server's stdout lines so far
+
+    def request(self, method: str, path: str, headers: dict | None = None, body: bytes | None = None,
+                timeout: float = 120) -> tuple[int, dict, bytes]:
+        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.context, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict[str, float]:
+        _, _, raw = self.request("GET", "/metrics", {"Authorization": f"Bearer {KEY}"})
+        return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in raw.decode().splitlines()
+                                                       if line.startswith("shardserve_"))}
+
+    def channel(self, replica: int = 0) -> grpc.Channel:
+        return grpc.secure_channel(self.grpc_addresses[replica], grpc.ssl_channel_credentials(self.cert.read_bytes()))
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"https://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0,
+                             timeout=120, http_client=openai.DefaultHttpxClient(verify=self.context))
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("front")
+    cert, key = self_signed_certificate(folder)
+    port, grpc_port = free_port(), free_port()
+    log = open(folder / "stderr.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "shardserve"), "serve", MODEL, "-tp", "1", "-dp", "2", "--cpus-per-worker", "1",
+         "--kv-cache-gib", "0.05", "--max-model-len", "1024", "--max-num-seqs", "1", "--max-queued-requests", "1",
+         "--api-key", KEY, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--grpc-tls-cert", str(cert),
+         "--grpc-tls-key", str(key), "--port", str(port), "--grpc-port", str(grpc_port)],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        wait_for("the URLs", lambda: any("Press Ctrl-C to stop." in line for line in lines), 400,
+                 alive=lambda: proc.poll() is None)
+        out = "".join(lines)
+        assert f"https://127.0.0.1:{port}/v1" in out and "Application" not in out, out   # no early "is ready"
+        logs = Path(re.search(r"\(logs: (\S+)\)", out).group(1))
+        context = ssl.create_default_context(cafile=str(cert))
+        yield Front(proc, port, [f"127.0.0.1:{grpc_port}", f"127.0.0.1:{grpc_port + 1}"], cert, key, context, logs,
+                    lines)
+    finally:
+        stop_process_group(proc, signal.SIGINT, 60)
+        log.close()
+
+
+def all_routes(front: Front) -> list[tuple[str, str]]:
+    """(method, path) of every route the app exposes, from the app's own route list (the builder
+    Serve runs) and the server's ``/openapi.json``, plus paths that match no route."""
+    core = RouterCore(MODEL, [MODEL], [], load_tokenizer=lambda: None)
+    routes = {(method, route.path) for route in build_openai_app(core, [KEY]).routes for method in route.methods}
+    status, _, raw = front.request("GET", "/openapi.json", {"Authorization": f"Bearer {KEY}"})
+    assert status == 200
+    routes |= {(method.upper(), path) for path, ops in json.loads(raw)["paths"].items() for method in ops}
+    # NOTE: Ray Serve's proxy answers /-/healthz and /-/routes itself, before any app (KubeRay's
+    # probes use them); they are not routes of this app and carry no model output.
+    routes |= {("GET", "/no/such/route"), ("POST", "/v1/chat/completion"), ("GET", "/v1/chat/completions"),
+               ("POST", "/admin/anything"), ("GET", "/-/anything")}
+    return sorted((method, path.replace("{model}", MODEL)) for method, path in routes)
+
+
+def valid_body(path: str) -> bytes | None:
+    """A body that would generate tokens if it got through."""
+    if path.endswith("/chat/completions"):
+        return json.dumps({"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 8}).encode()
+    if path.endswith("/completions"):
+        return json.dumps({"prompt": COUNT, "max_tokens": 8}).encode()
+    return None
+
+
+def test_every_route_needs_the_key_except_get_health_and_refused_requests_do_no_work(front):
+    routes = all_routes(front)
+    assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes and ("GET", "/docs") in routes
+    before = front.metrics()
+    for method, path in routes:
+        for headers in BAD_AUTH:
+            status, resp_headers, raw = front.request(method, path, headers, valid_body(path))
+            if (method, path) == ("GET", "/health"):
+                assert status == 200 and json.loads(raw)["status"] == "ok"
+                continue
+            assert status == 401, (method, path, headers, status)
+            assert resp_headers["www-authenticate"] == "Bearer"
+            if method != "HEAD":
+                error = json.loads(raw)["error"]
+                assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key"), error
+                assert KEY not in raw.decode()
+    after = front.metrics()
+    for name in ("shardserve_generation_tokens_total", "shardserve_prompt_tokens_total"):
+        assert after[name] == before.get(name, 0.0), name
+    assert not any(k.startswith("shardserve_requests_total") and v != before.get(k) for k, v in after.items())
+    for method, path in routes:   # with the key: through the guard (errors of their own are fine)
+        body = b"{}" if method == "POST" else None
+        status, _, _ = front.request(method, path, {"Authorization": f"Bearer {KEY}"}, body)
+        assert status != 401, (method, path)
+
+
+def test_grpc_needs_the_key_except_health_and_tls_round_trips(front):
+    calls = {"Generate": lambda stub, md: list(stub.Generate(
+                 pb.GenerateRequest(text=COUNT, sampling=pb.SamplingParams(max_tokens=4)), metadata=md, timeout=60)),
+             "Tokenize": lambda stub, md: stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=md, timeout=60),
+             "ModelInfo": lambda stub, md: stub.ModelInfo(pb.ModelInfoRequest(), metadata=md, timeout=60)}
+    with front.channel(0) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        for name, call in calls.items():
+            for md in ((), (("authorization", "Bearer sk-wrong"),), (("authorization", KEY),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(stub, md)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, md)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as err:
+            list(reflect.ServerReflectionInfo(iter([ask]), timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        (answer,) = reflect.ServerReflectionInfo(iter([ask]), metadata=AUTH, timeout=60)
+        assert "shardserve.v1.Inference" in {s.name for s in answer.list_services_response.service}
+        text = "".join(r.text for r in calls["Generate"](stub, AUTH))
+    assert text.strip().startswith("11")
+    answer = front.client().completions.create(model=MODEL, prompt=COUNT, max_tokens=4, temperature=0)
+    assert answer.choices[0].text == text   # HTTPS through the router == gRPC/TLS to the replica
+
+
+def test_https_round_trip_with_the_openai_client(front):
+    client = front.client()
+    card = client.models.retrieve(MODEL)
+    listed = client.models.list()
+    assert card.id == MODEL and [m.id for m in listed.data] == [MODEL]
+    assert time.time() - 3600 < card.created <= time.time()
+    with pytest.raises(openai.AuthenticationError):
+        front.client("sk-wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.BadRequestError) as err:   # the prompt fits, max_tokens does not
+        client.completions.create(model=MODEL, prompt=COUNT, max_tokens=1020)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
+
+
+def long_stream(channel: grpc.Channel, max_tokens: int = 400):
+    """A direct gRPC call that keeps a replica busy until cancelled."""
+    return pb_grpc.InferenceStub(channel).Generate(
+        pb.GenerateRequest(text=COUNT, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0)),
+        metadata=AUTH, timeout=300)
+
+
+def replica_info(front: Front, replica: int) -> pb.ModelInfoResponse:
+    with front.channel(replica) as channel:
+        return pb_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest(), metadata=AUTH, timeout=60)
+
+
+def wait_idle(front: Front, timeout_s: float = 60) -> None:
+    """Every replica has no running or waiting request and all its KV blocks free."""
+    def idle():
+        infos = [replica_info(front, i) for i in range(2)]
+        return all(i.num_running == 0 and i.num_waiting == 0 and i.num_free_blocks == i.num_blocks for i in infos)
+    wait_for("all replicas idle with every block free", idle, timeout_s)
+
+
+def test_a_full_replica_is_skipped_for_the_other_one_then_all_full_answers_429(front):
+    wait_idle(front)
+    channel = front.channel(0)
+    busy = [long_stream(channel), long_stream(channel)]        # replica 0: one running, one waiting
+    try:
+        wait_for("replica 0 full", lambda: replica_info(front, 0).num_waiting == 1, 60)
+        before = front.metrics()
+        body = json.dumps({"prompt": COUNT, "max_tokens": 4, "temperature": 0}).encode()
+        for _ in range(2):   # routing takes turns: at least one of these tries replica 0 first
+            status, _, raw = front.request("POST", "/v1/completions", {"Authorization": f"Bearer {KEY}"}, body)
+            assert status == 200, raw
+        after = front.metrics()
+        delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+        assert delta['shardserve_requests_routed_total{replica="1"}'] == 2
+        assert delta.get('shardserve_queue_full_rejections_total{replica="0"}', 0) >= 1
+    finally:
+        for call in busy:
+            call.cancel()
+        channel.close()
+    wait_idle(front)
+    body = json.dumps({"prompt": COUNT, "max_tokens": 24, "temperature": 0}).encode()
+    started = time.monotonic()
+
+    def one(_):
+        status, headers, raw = front.request("POST", "/v1/completions", {"Authorization": f"Bearer {KEY}"}, body)
+        return status, headers, json.loads(raw), time.monotonic() - started
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    refused = [r for r in results if r[0] == 429]
+    admitted = [r for r in results if r[0] != 429]
+    assert 2 <= len(refused) <= 4 and all(r[0] == 200 for r in admitted), [(r[0], r[2]) for r in results]
+    for _, headers, error, elapsed in refused:
+        assert headers["retry-after"] == "1" and error["error"]["code"] == "rate_limit_exceeded"
+        assert elapsed < min(r[3] for r in admitted)   # refused at once, before any admitted request ended
+    print(f"429s after {[round(r[3], 2) for r in refused]} s; admitted done after {[round(r[3], 1) for r in admitted]}"
+          " s (loaded machine)")
+    for _, _, answer, _ in admitted:
+        assert answer["usage"]["completion_tokens"] == 24
+    status, _, _ = front.request("GET", "/health")
+    assert status == 200
+    assert front.metrics()['shardserve_requests_total{endpoint="completions",outcome="rejected",status="429"}'] >= 2
+
+
+def test_a_one_second_grpc_deadline_ends_a_500_token_request_and_frees_every_block(front):
+    wait_idle(front)
+    request = pb.GenerateRequest(text=COUNT, sampling=pb.SamplingParams(max_tokens=500, temperature=0))
+    with front.channel(1) as channel:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in pb_grpc.InferenceStub(channel).Generate(request, metadata=AUTH, timeout=1):
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 10
+    wait_idle(front, timeout_s=15)   # the replica aborted it: every block is free again
+
+
+# -- the same app in this process, over this server's replicas ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_llm):
+    return smollm2_llm.tokenizer   # cluster.tokenizer.load_tokenizer on the same file, loaded once per session
+
+
+def local_app_scenario(front: Front, tokenizer, scenario, request_timeout: float | None = None):
+    """Run ``scenario(client)`` against an in-process app (the builder Serve runs) whose router core
+    reaches this server's real replicas over gRPC/TLS with the key."""
+    import httpx2
+
+    infos = [replica_info(front, i) for i in range(2)]
+    fields = ("max_model_len", "num_blocks", "num_free_blocks", "healthy")
+    statuses = [{"state": "ready", "address": address, "error": None,
+                 "info": {name: getattr(info, name) for name in fields}}
+                for address, info in zip(front.grpc_addresses, infos)]
+
+    def fetcher(status):
+        async def fetch():
+            return status
+        return fetch
+
+    front_config = FrontConfig(api_keys=[KEY], request_timeout=request_timeout, grpc_tls_cert=str(front.cert),
+                               grpc_tls_key=str(front.key_file))
+
+    async def run():
+        core = RouterCore(MODEL, [MODEL], [fetcher(s) for s in statuses], lambda: tokenizer, front=front_config)
+        core.start()
+        app = build_openai_app(core, [KEY])
+        try:
+            while core.tokenizer is None or len(core.pool.ready()) < 2:
+                await asyncio.sleep(0.05)
+            transport = httpx2.ASGITransport(app=app)
+            async with httpx2.AsyncClient(transport=transport, base_url="http://app", timeout=120,
+                                          headers={"Authorization": f"Bearer {KEY}"}) as client:
+                return await scenario(client)
+        finally:
+            await core.close()
+
+    return asyncio.run(run())
+
+
+def test_request_timeout_answers_408_or_ends_the_stream_and_frees_every_block(front, tokenizer):
+    wait_idle(front)
+    body = {"prompt": COUNT, "max_tokens": 500, "temperature": 0}
+
+    async def scenario(client):
+        plain = await client.post("/v1/completions", json=body)
+        streamed = await client.post("/v1/completions", json=dict(body, stream=True))
+        return plain, streamed
+
+    started = time.monotonic()
+    plain, streamed = local_app_scenario(front, tokenizer, scenario, request_timeout=2.0)
+    print(f"two 2-second deadlines answered after {time.monotonic() - started:.1f} s (loaded machine)")
+    assert plain.status_code == 408 and plain.json()["error"]["code"] == "request_timeout", plain.text
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "request_timeout" and len(events) > 2   # tokens came first
+    wait_idle(front, timeout_s=15)
+
+
+def hostile_bodies(rng: random.Random, count: int = 600) -> list[tuple[str, bytes]]:
+    """``count`` ``(path, body)`` pairs drawn from every class: wrong types, extreme numbers, huge
+    strings, broken JSON and lone surrogates, each in one field of an otherwise valid (and cheap:
+    one token) request of that endpoint."""
+    base_chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    base_text = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    wrong_types = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [1], {"a": 1}, [[]], ["a", 1]]
+    extreme = [2**31, 2**63, 2**64, -(2**63) - 1, 10**400, 1e308, -1e308, 5e-324, float("inf"), float("nan"), -0.0]
+    huge = ["x" * 1_000_000, "\U0001F600" * 200_000, "a\x00b" * 1000]
+    surrogates = ["\ud800", "a\udfff", "\udbff\udc00\ud800 x"]
+    fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "stream",
+              "logprobs", "user", "stream_options", "max_completion_tokens", "top_logprobs", "extra_field"]
+    bodies = []
+    for path, base, text_field in (("/v1/chat/completions", base_chat, "messages"),
+                                   ("/v1/completions", base_text, "prompt")):
+        one_kind = []
+        for field in fields + [text_field]:
+            for value in wrong_types + extreme + huge[:1] + surrogates:
+                if field in ("max_tokens", "max_completion_tokens", "n") and value is None:
+                    continue   # chat without max_tokens runs to the context limit: valid, but slow
+                one_kind.append(json.dumps(dict(base, **{field: value})).encode())
+        for value in huge[1:] + surrogates:
+            content = [{"role": "user", "content": value}] if text_field == "messages" else value
+            one_kind.append(json.dumps(dict(base, **{text_field: content})).encode())
+        raw = json.dumps(base).encode()
+        one_kind += [raw[:cut] for cut in rng.sample(range(1, len(raw)), 8)]                  # truncated
+        one_kind += [raw + b"}", b"{" + raw, raw.replace(b":", b"=", 1), b"\xff\xfe" + raw, b"", b"null",
+                     b"[]", b'"text"', b"1e999999", b"[" * 50_000 + b"]" * 50_000,
+                     b'{"a": ' * 2000 + b"1" + b"}" * 2000, raw.replace(b"Hi", b"\\ud800"),
+                     raw.replace(b'"Hi"', b'"\\udc00\\ud800"')]
+        bodies += [(path, body) for body in one_kind]
+    return rng.sample(bodies, count)
+
+
+def test_hostile_bodies_never_get_a_5xx(front, tokenizer):
+    wait_idle(front)
+    bodies = hostile_bodies(random.Random(0))
+
+    async def scenario(client):
+        seen = []
+        for path, body in bodies:
+            resp = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+            seen.append((resp.status_code, resp.headers.get("content-type", ""), path, body[:80]))
+        return seen
+
+    started = time.monotonic()
+    seen = local_app_scenario(front, tokenizer, scenario)
+    statuses = sorted({status for status, *_ in seen})
+    print(f"{len(seen)} hostile bodies in {time.monotonic() - started:.1f} s (loaded machine); statuses {statuses}")
+    server_errors = [s for s in seen if s[0] >= 500]
+    assert not server_errors, server_errors[:5]
+    assert all(content_type.startswith(("application/json", "text/event-stream")) for _, content_type, _, _ in seen)
+    assert sum(status == 200 for status, *_ in seen) >= 20 and sum(status == 400 for status, *_ in seen) >= 400
+    for body in (b'{"prompt": "\\ud800 x", "max_tokens": 2}', b'{"messages": [{"role": "user", "content": '
+                 b'"\\udfff"}]}', b"[" * 100_000, b'{"prompt": ' + json.dumps("y" * 2_000_000).encode() + b"}"):
+        for path in ("/v1/completions", "/v1/chat/completions"):   # and a few against the real server
+            status, headers, raw = front.request("POST", path, {"Authorization": f"Bearer {KEY}"}, body)
+            assert 400 <= status < 500 and headers["content-type"] == "application/json", (status, raw[:200])
+            assert "error" in json.loads(raw)
+
+
+def test_routing_errors_limits_and_cancellation_are_answered_and_counted(front):
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    cases = [("GET", "/no/such/route", None, 404, "not_found"),
+             ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
+             ("POST", "/v1/completions", json.dumps({"prompt": "x", "stop": list("abcde")}).encode(), 400, None),
+             ("POST", "/v1/completions", json.dumps({"prompt": "x", "temperature": 2.5}).encode(), 400, None)]
+    for method, path, body, expected, code in cases:
+        status, headers, raw = front.request(method, path, bearer, body)
+        assert status == expected and headers["content-type"] == "application/json", (path, raw)
+        assert json.loads(raw)["error"]["code"] == code
+    with front.channel(1) as channel:   # gRPC: the same limits as HTTP
+        for sampling in (pb.SamplingParams(temperature=2.5), pb.SamplingParams(stop=list("abcde"))):
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(text="x", sampling=sampling),
+                                                             metadata=AUTH, timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    name = 'shardserve_requests_total{endpoint="completions",outcome="cancelled",status="200"}'
+    before = front.metrics().get(name, 0)
+    conn = http.client.HTTPSConnection("127.0.0.1", front.port, context=front.context, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": COUNT, "max_tokens": 400, "stream": True}),
+                 dict(bearer, **{"Content-Type": "application/json"}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()   # the client leaves mid-stream
+    wait_for("the cancelled stream counted", lambda: front.metrics().get(name, 0) == before + 1, 30)
+    wait_idle(front, timeout_s=30)
+
+
+def test_health_polls_stay_out_of_the_access_log(front):
+    for _ in range(3):
+        assert front.request("GET", "/health")[0] == 200
+    (router_log,) = (front.logs / "serve").glob("replica_*OpenAIRouter*.log")
+    text = router_log.read_text()
+    assert "POST /v1/completions" in text and "GET /health" not in text   # start-up polled /health often
+
+
+def test_ctrl_c_stops_the_server_and_leaves_no_port_open(front):
+    front.proc.send_signal(signal.SIGINT)
+    assert front.proc.wait(90) == 0
+    wait_for("the goodbye line", lambda: any("shutting down" in line for line in front.stdout), 10)
+    for address in [f"127.0.0.1:{front.port}"] + front.grpc_addresses:
+        host, port = address.split(":")
+        with socket.socket() as sock, pytest.raises(OSError):
+            sock.connect((host, int(port)))
