@@ -91,14 +91,16 @@ async def _one_request(session, url: str, model: str | None, index: int, max_tok
 
 
 async def run_load(base_url: str, server: str, concurrency: int, num_requests: int, max_tokens: int,
-                   model: str | None = None) -> RunResult:
+                   model: str | None = None, api_key: str | None = None) -> RunResult:
     """``concurrency`` clients send ``num_requests`` streaming requests in total against
-    ``base_url`` (``http://host:port/v1``); one warm-up request first."""
+    ``base_url`` (``http://host:port/v1``), with ``Authorization: Bearer api_key`` when given; one
+    warm-up request first."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800)
     connector = aiohttp.TCPConnector(limit=concurrency + 1)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         await _one_request(session, base_url, model, -1, 4)
         result = RunResult(server, concurrency, num_requests, 0, 0.0)
         queue = list(range(num_requests))
@@ -187,8 +189,11 @@ class Server:
         self._log.close()
 
 
-def shardserve_server(gguf: Path, tp: int, port: int, log: Path, extra: list[str], kv_cache_gib: float) -> Server:
+def shardserve_server(gguf: Path, tp: int, port: int, log: Path, extra: list[str], kv_cache_gib: float,
+                      api_key: str | None = None) -> Server:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    if api_key:
+        env["SHARDSERVE_API_KEY"] = api_key
     env.pop("RAY_ADDRESS", None)   # a local cluster of its own
     argv = [str(BIN / "shardserve"), "serve", str(gguf), "-tp", str(tp), "--port", str(port), "--grpc-port", "0",
             "--kv-cache-gib", str(kv_cache_gib), *extra]
@@ -284,7 +289,8 @@ def measure_server(server: Server, concurrencies: list[int], args, results: list
         server.wait_ready(args.ready_timeout)
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
-            result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens))
+            result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens,
+                                          api_key=args.api_key))
             results.append(result)
             print(format_row(result), flush=True)
             if server.name == "shardserve TP=1" and concurrency == concurrencies[-1]:
@@ -332,6 +338,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None, help="measure only this server (e.g. http://127.0.0.1:8000/v1)")
     parser.add_argument("--model", default=None, help="'model' field of the requests (with --base-url)")
+    parser.add_argument("--api-key", default=os.environ.get("SHARDSERVE_API_KEY"),
+                        help="bearer key for the servers (default: $SHARDSERVE_API_KEY, which a started "
+                             "shardserve serve also reads)")
     parser.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or known model name")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
@@ -349,7 +358,7 @@ def main() -> None:
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
             print(format_row(asyncio.run(run_load(args.base_url.rstrip("/"), args.base_url, concurrency, num,
-                                                  args.max_tokens, args.model))), flush=True)
+                                                  args.max_tokens, args.model, args.api_key))), flush=True)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from llama_server import llama_server_path
@@ -367,7 +376,7 @@ def main() -> None:
     for tp in (1, 2):
         if f"tp{tp}" in servers:
             measure_server(shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_tp{tp}.log", extra,
-                                             args.kv_cache_gib), concurrencies, args, results)
+                                             args.kv_cache_gib, args.api_key), concurrencies, args, results)
     if binary is not None:
         measure_server(llama_server(binary, gguf, free_port(), log_dir / "bench_serving_llama.log",
                                     max(concurrencies), 512), concurrencies, args, results)
