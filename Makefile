@@ -36,4 +36,8 @@ bench: install
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_speculative.py
+	$(PY) benchmarks/bench_qwen3_next.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/packed_accuracy.py
+	$(PY) benchmarks/profile_decode.py
+	$(PY) benchmarks/bench_serving.py

@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 
-from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.workers.model_source import DEFAULT_MODEL
@@ -66,12 +66,16 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                        help="weights and activations (auto: bfloat16 on cuda, float32 on cpu)")
+                        help="weights and activations (auto: bfloat16 on cuda; on cpu bfloat16 with packed "
+                             "weights for Q4_0/Q4_1/Q8_0 GGUF files, else float32: the exact path)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction (0, 1] of each GPU's memory a rank may use; the KV cache takes what weights "
                              "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
+    parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
+                        help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
+                             "output row, int4 per group of 32")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +150,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
                       speculative_tokens=ns.speculative_tokens,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+                      recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
 
 def _group_config(ns: argparse.Namespace):
@@ -300,7 +305,7 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout,
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization,
         api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
         max_queued_requests=ns.max_queued_requests,
         request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)

@@ -6,8 +6,9 @@ import logging
 from dataclasses import dataclass
 
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
-from shardserve.workers.model_source import DEFAULT_MODEL
+from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
+QUANTIZATION_CHOICES = ("none", "int8", "int4")
 logger = logging.getLogger(__name__)
 
 
@@ -35,8 +36,11 @@ class EngineArgs:
         speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
         device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
             ``cuda`` or ``cpu`` (``workers/device.py``).
-        dtype: weights and activations: ``auto`` (bfloat16 on CUDA, float32 on CPU), ``bfloat16``,
-            ``float16`` or ``float32``.
+        dtype: weights and activations: ``auto`` (bfloat16 on CUDA; on CPU bfloat16 with packed
+            weights for a GGUF file of mostly Q4_0/Q4_1/Q8_0 matrices, else float32), ``bfloat16``,
+            ``float16`` or ``float32`` (on CPU the exact dequantized path).
+        quantization: ``none`` / ``int8`` / ``int4``: weight-only quantization of a float checkpoint
+            at load time for the CPU kernels (int8 per output row, int4 per group of 32).
         gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
             caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
         enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
@@ -66,9 +70,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
+    quantization: str = "none"
 
     def validate(self) -> None:
-        """Raises ValueError for inconsistent settings."""
+        """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
+        them: its weights are quantized already). Reads no model file."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -96,6 +102,12 @@ class EngineArgs:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         check_utilization(self.gpu_memory_utilization)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and is_gguf_model(self.model):
+            raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
+                             f"{self.model} is a GGUF file, quantized already")
 
     def runner_config(self):
         """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
@@ -107,7 +119,7 @@ class EngineArgs:
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            seed=self.seed)
+                            seed=self.seed, quantization=self.quantization)
 
     def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
         """The context length to serve: one sequence of that length must fit the KV pool

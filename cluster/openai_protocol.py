@@ -198,6 +198,11 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         value = _number(body, name, low, high, integer=integer, low_open=low_open)
         if value is not None:
             sampling[name] = value
+    ignore_eos = body.get("ignore_eos", False)   # vLLM's / llama-server's extension: run to max_tokens
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
+    if ignore_eos:
+        sampling["ignore_eos"] = True
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
     return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
                          None, max_tokens)

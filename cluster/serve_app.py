@@ -83,7 +83,7 @@ class ServeArgs:
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             dsa_sink, speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager,
-            recovery_timeout: engine settings (see EngineArgs). ``device="cuda"`` with
+            recovery_timeout, quantization: engine settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
@@ -126,6 +126,7 @@ class ServeArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
+    quantization: str = "none"
     api_key: str | list[str] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
@@ -179,7 +180,8 @@ class ServeArgs:
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
                           dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens, device=self.device,
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
-                          enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout)
+                          enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
+                          quantization=self.quantization)
 
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""

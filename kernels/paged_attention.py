@@ -136,14 +136,46 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                max_seq_len, num_tokens)
         if step_cache is not None:
             step_cache["padded_layout"] = layout
-    q_pad = query.new_zeros(seq_lens.shape[0], max_query_len, num_heads, head_dim)
-    q_pad[layout.seq_of_token, layout.row_of_token] = query
-    keys = k_cache.view(-1, *k_cache.shape[2:])[layout.slots]                  # [B, S, Hkv, D]
-    values = v_cache.view(-1, *v_cache.shape[2:])[layout.slots]
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
-        attn_mask=layout.mask, scale=scale, enable_gqa=num_heads != k_cache.shape[2])
-    return out.transpose(1, 2)[layout.seq_of_token, layout.row_of_token]
+    decode = max_query_len == 1 and num_tokens == seq_lens.shape[0]   # one query per sequence, in order
+    if decode:
+        q_pad = query[:, None]
+    else:
+        q_pad = query.new_zeros(seq_lens.shape[0], max_query_len, num_heads, head_dim)
+        q_pad[layout.seq_of_token, layout.row_of_token] = query
+    keys = k_cache.view(-1, *k_cache.shape[2:])[layout.slots].to(query.dtype)      # [B, S, Hkv, D]
+    values = v_cache.view(-1, *v_cache.shape[2:])[layout.slots].to(query.dtype)
+    if query.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=layout.mask, scale=scale,
+            enable_gqa=num_heads != k_cache.shape[2]).transpose(1, 2)
+    else:
+        out = grouped_attention(q_pad, keys, values, layout.mask, scale)
+    return out[:, 0] if decode else out[layout.seq_of_token, layout.row_of_token]
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Masked GQA attention as two batched matmuls, softmax in float32 (the bf16 / fp16 path:
+    torch's CPU flash-attention kernel takes 3 ms where this takes 0.2 ms for 32 decode rows).
+
+    Args:
+        query: ``[B, Q, H, D]``; query head ``h`` reads key head ``h // (H / Hkv)`` (HF ``repeat_kv``).
+        keys, values: ``[B, S, Hkv, D]``. mask: ``[B, 1, Q, S]`` bool, True = attend.
+
+    Returns:
+        ``[B, Q, H, D]`` in ``query.dtype``.
+    """
+    batch, num_q, num_heads, head_dim = query.shape
+    num_kv = keys.shape[2]
+    group = num_heads // num_kv
+    q = query.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        batch, num_kv, group * num_q, head_dim)                                     # [B, Hkv, G*Q, D]
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale              # [B, Hkv, G*Q, S]
+    scores = scores.view(batch, num_kv, group, num_q, -1).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(query.dtype).view(batch, num_kv, group * num_q, -1)
+    out = torch.matmul(probs, values.transpose(1, 2))                               # [B, Hkv, G*Q, D]
+    return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
+        batch, num_q, num_heads, head_dim)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -16,10 +16,21 @@ def smollm2_files():
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_files):
+    """Our engine on the exact path (``dtype="float32"``: weights dequantized as transformers does),
+    the one compared with transformers token for token."""
     from shardserve.cluster.config import EngineArgs
     from shardserve.cluster.llm import LLM
 
-    return LLM(EngineArgs(model=str(smollm2_files.path), kv_cache_gib=0.25), progress=False)
+    return LLM(EngineArgs(model=str(smollm2_files.path), kv_cache_gib=0.25, dtype="float32"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm_packed(smollm2_files):
+    """Our engine with its defaults on CPU: packed Q4_1 / Q8_0 weights, bfloat16 compute."""
+    from shardserve.cluster.config import EngineArgs
+    from shardserve.cluster.llm import LLM
+
+    return LLM(EngineArgs(model=str(smollm2_files.path), kv_cache_gib=0.05), progress=False)
 
 
 @pytest.fixture(scope="session")

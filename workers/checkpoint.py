@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from shardserve.workers.gguf_names import GGUF_TO_HF, gguf_to_hf_name
+from shardserve.workers.quantization import PACKED_GGUF_TYPES, decode_gguf
 
 
 class CheckpointError(RuntimeError):
@@ -36,12 +37,17 @@ class LazyTensor:
         file: path of the file that holds it (for error messages).
         shape: logical torch shape (row-major, HF orientation: ``[out_features, in_features]``).
         _read: callable taking an index (tuple of slices) and returning a float32/bf16/fp8 tensor.
+        quant_type: GGUF quantization type name (``"Q4_1"``, ``"Q6_K"``, ...); None for plain arrays.
+        _quantized: for the types with an integer form (``workers/quantization.py``), a callable
+            returning the whole tensor as a :class:`~workers.quantization.QuantizedWeight`.
     """
 
     name: str
     file: str
     shape: tuple[int, ...]
     _read: Callable[[tuple], torch.Tensor]
+    quant_type: str | None = None
+    _quantized: Callable[[], object] | None = None
 
     def __getitem__(self, index) -> torch.Tensor:
         if not isinstance(index, tuple):
@@ -51,6 +57,16 @@ class LazyTensor:
     def load(self) -> torch.Tensor:
         """Read the whole tensor."""
         return self._read((slice(None),))
+
+    def quantized(self):
+        """The whole tensor in integer form (a ``QuantizedWeight``), without a float round trip.
+
+        Raises:
+            CheckpointError: the tensor has no integer form, or its blocks cannot be read.
+        """
+        if self._quantized is None:
+            raise CheckpointError(f"{self.file}: tensor {self.name!r} ({self.quant_type}) has no integer form")
+        return self._quantized()
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
         """Raises:
@@ -74,9 +90,13 @@ class Checkpoint:
     path: Path
     observer: Callable[[LazyTensor, tuple, torch.Tensor], None] | None = None
 
-    def _lazy(self, name: str, file: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor]) -> LazyTensor:
-        """A :class:`LazyTensor` whose reads go past :attr:`observer` (when set)."""
-        tensor = LazyTensor(name, file, shape, read)
+    def _lazy(self, name: str, file: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor],
+              quant_type: str | None = None, quantized: Callable[[], object] | None = None,
+              raw: Callable[[], torch.Tensor] | None = None) -> LazyTensor:
+        """A :class:`LazyTensor` whose reads go past :attr:`observer` (when set). A read of the
+        integer form (``quantized``) is told to the observer as index ``("integer form",)`` with
+        ``raw()``, the tensor's bytes as stored."""
+        tensor = LazyTensor(name, file, shape, read, quant_type, quantized)
         observer = self.observer
         if observer is not None:
             def observed(index: tuple) -> torch.Tensor:
@@ -85,6 +105,13 @@ class Checkpoint:
                 return out
 
             tensor._read = observed
+            if quantized is not None and raw is not None:
+                def observed_quantized():
+                    out = quantized()
+                    observer(tensor, ("integer form",), raw())
+                    return out
+
+                tensor._quantized = observed_quantized
         return tensor
 
     def reopen(self, path: str | os.PathLike) -> None:
@@ -228,6 +255,14 @@ class GGUFCheckpoint(Checkpoint):
                 self._tensors[hf_name] = tensor
         self.tied_embeddings = "lm_head.weight" not in self._tensors
 
+    def matrix_types(self) -> dict[str, int]:
+        """Elements of the file's 2-D weights per GGUF type name (``{"Q4_1": 106168320, ...}``)."""
+        counts: dict[str, int] = {}
+        for tensor in self._tensors.values():
+            if len(tensor.shape) == 2:
+                counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + int(tensor.n_elements)
+        return counts
+
     def metadata(self, key: str, default=None):
         """One metadata value (scalar, string or list), or ``default`` when absent."""
         field = self._reader.fields.get(key)
@@ -253,10 +288,27 @@ class GGUFCheckpoint(Checkpoint):
                 cache.clear()  # the caller owns the full tensor now
             return full[index]
 
-        return self._lazy(name, str(self.path), shape, read)
+        qtype = tensor.tensor_type.name
+        if qtype in _PLAIN_GGUF_TYPES:
+            return self._lazy(name, str(self.path), shape, read)
+        quantized = None
+        if qtype in PACKED_GGUF_TYPES and len(shape) == 2:
+            quantized = lambda: self._integer_form(name, tensor, shape)  # noqa: E731
+        return self._lazy(name, str(self.path), shape, read, qtype, quantized,
+                          raw=lambda: torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(-1)))
 
     def _open_like(self, path: str | os.PathLike) -> GGUFCheckpoint:
         return GGUFCheckpoint(path, self.num_heads, self.num_kv_heads)
+
+    def _integer_form(self, name: str, tensor, shape: tuple[int, ...]):
+        try:
+            weight = decode_gguf(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+        except (ValueError, IndexError) as exc:
+            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc}); is the file truncated?") from exc
+        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = self.num_heads if "q_proj" in name else self.num_kv_heads
+            weight = weight.take_rows(unpermute_llama_qk(torch.arange(shape[0])[:, None], heads)[:, 0])
+        return weight
 
     def _dequantize(self, name: str, tensor, shape: tuple[int, ...]) -> torch.Tensor:
         from gguf import quants

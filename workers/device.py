@@ -4,7 +4,8 @@ One rule for every command and every rank (``--device``, ``--dtype``, ``--gpu-me
 
 - device ``auto``: ``cuda`` when this process (a Ray actor: the GPUs Ray gave it) sees a GPU, else
   ``cpu``; ``cuda`` without a visible GPU is an error, not a silent fallback.
-- dtype ``auto``: bfloat16 on CUDA, float32 on CPU.
+- dtype ``auto``: bfloat16 on CUDA; on CPU bfloat16 with packed weights for a GGUF file of mostly
+  Q4_0 / Q4_1 / Q8_0 matrices (or ``--quantization``), float32 otherwise.
 - KV cache on CUDA (vLLM's rule): ``utilization * total`` bytes of the GPU, minus the weights, minus
   the peak activation memory of one profiling forward, minus memory held outside torch's allocator
   (CUDA context, NCCL buffers, other processes). On CPU the cache takes ``--kv-cache-gib``. Every
@@ -70,8 +71,19 @@ def resolve_device(requested: str, num_gpus: int | None = None) -> str:
     return requested
 
 
-def resolve_dtype(requested: str, device: str):
-    """The compute and weight dtype (a ``torch.dtype``): ``auto`` is bfloat16 on CUDA, float32 on CPU.
+def resolve_dtype(requested: str, device: str, gguf_types: dict[str, int] | None = None,
+                  quantization: str = "none"):
+    """The compute and weight dtype (a ``torch.dtype``).
+
+    ``auto`` is bfloat16 on CUDA. On CPU it is bfloat16 when the weights will be packed for the CPU
+    kernels (``workers/quantization.py``, which need bfloat16 activations for their fast path):
+    a GGUF file most of whose matrix elements are Q4_0 / Q4_1 / Q8_0, or ``--quantization``;
+    float32 otherwise (and ``float32`` is the exact, dequantized path).
+
+    Args:
+        requested: ``--dtype``. device: ``"cuda"``/``"cpu"``.
+        gguf_types: for a GGUF file, elements of its 2-D weights per GGUF type name; else None.
+        quantization: ``--quantization``.
 
     Raises:
         ValueError: an unknown name.
@@ -80,9 +92,17 @@ def resolve_dtype(requested: str, device: str):
 
     if requested not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {requested!r}")
-    if requested == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, requested)
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.startswith("cuda") or quantization != "none":
+        return torch.bfloat16
+    if gguf_types:
+        from shardserve.workers.quantization import PACKED_GGUF_TYPES
+
+        packed = sum(count for name, count in gguf_types.items() if name in PACKED_GGUF_TYPES)
+        if 2 * packed > sum(gguf_types.values()):
+            return torch.bfloat16
+    return torch.float32
 
 
 def check_utilization(utilization: float) -> None:

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.workers.device import (MemoryPlan, check_weights_fit, cpu_cache_plan, gib, resolve_device,
-                                       resolve_dtype)
+from shardserve.workers.checkpoint import GGUFCheckpoint
+from shardserve.workers.device import (DeviceConfigError, MemoryPlan, check_weights_fit, cpu_cache_plan, gib,
+                                       resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
 from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
@@ -43,7 +45,8 @@ class RunnerConfig:
     num_blocks: int | None = None        # overrides the budget when set
     tensor_split: list[float] | None = None
     device: str = "auto"                 # "auto" (cuda when this rank sees a GPU), "cuda" or "cpu"
-    dtype: str = "auto"                  # "auto" (bfloat16 on cuda, float32 on cpu), "bfloat16", "float16", "float32"
+    dtype: str = "auto"                  # "auto" (bfloat16 on cuda; cpu: workers/device.py), "bfloat16", "float16", "float32"
+    quantization: str = "none"           # "none", "int8", "int4": pack a float checkpoint's weights (CPU)
     gpu_memory_utilization: float = 0.9  # fraction of the GPU this rank may use (weights, activations, caches)
     enforce_eager: bool = False          # no decode graphs on CUDA
     decode_graphs: str = "auto"          # "auto": CUDA graphs on CUDA unless enforce_eager; "replay": the
@@ -54,6 +57,20 @@ class RunnerConfig:
     seed: int = 0                        # seed of the generator for unseeded requests
 
 
+def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
+    """Compute dtype and weight format of a rank (``--dtype auto`` on CPU looks at the GGUF
+    file's types: :func:`workers.device.resolve_dtype`; packed weights are CPU-only).
+
+    Raises:
+        DeviceConfigError: ``--quantization`` on a CUDA rank.
+    """
+    is_gguf = isinstance(ckpt, GGUFCheckpoint)
+    if quantization != "none" and device != "cpu":
+        raise DeviceConfigError(f"--quantization {quantization} runs on CPU ranks only (this rank: {device})")
+    resolved = resolve_dtype(dtype, device, ckpt.matrix_types() if is_gguf else None, quantization)
+    return resolved, weight_format_for(resolved, quantization, is_gguf) if device == "cpu" else None
+
+
 def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
     """Bytes the caches of ``layers`` (attention modules with ``cache_spec``) take for ``num_blocks``."""
     return sum(math.prod(shape) * dtype.itemsize for layer in layers
@@ -61,11 +78,30 @@ def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
 
 
 def allocate_caches(layers, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> int:
-    """Give every layer zero-filled cache tensors on ``device`` as its ``cache_spec`` asks; returns their bytes."""
-    for layer in layers:
-        layer.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device)
-                               for shape, dtype in layer.cache_spec(num_blocks, block_size))
-    return cache_bytes(layers, num_blocks, block_size)
+    """Give every layer zero-filled cache tensors on ``device`` as its ``cache_spec`` asks; returns their bytes.
+
+    On CPU they are views of one anonymous ``mmap``: the OS hands out zero pages that become
+    resident only when a block is first written (``torch.zeros`` writes every byte, making the
+    worst-case cache resident at start; numpy's ``zeros`` asks for 2 MiB huge pages, so each
+    layer's first token made 4 MiB resident)."""
+    specs = [layer.cache_spec(num_blocks, block_size) for layer in layers]
+    if torch.device(device).type != "cpu":
+        for layer, spec in zip(layers, specs):
+            layer.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in spec)
+        return cache_bytes(layers, num_blocks, block_size)
+    import mmap
+
+    sizes = [math.prod(shape) * dtype.itemsize for spec in specs for shape, dtype in spec]
+    buffer = torch.frombuffer(mmap.mmap(-1, max(1, sum(-(-size // 64) * 64 for size in sizes))), dtype=torch.uint8)
+    offset = 0
+    for layer, spec in zip(layers, specs):
+        tensors = []
+        for shape, dtype in spec:
+            size = math.prod(shape) * dtype.itemsize
+            tensors.append(buffer[offset:offset + size].view(dtype).view(shape))
+            offset += -(-size // 64) * 64
+        layer.kv_cache = tuple(tensors)
+    return sum(sizes)
 
 
 @dataclass(slots=True)
@@ -118,16 +154,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device.type)
+        self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
+        self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
+                                                     config.quantization)
         self.block_size = config.block_size
         model_len = getattr(hf_config, "max_position_embeddings", 4096)   # the RoPE table's length
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.memory: MemoryPlan | None = None
-        self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
-            keep_fp8=self.device.type == "cuda", before_load=self._check_fits)
+            keep_fp8=self.device.type == "cuda", before_load=self._check_fits, weight_format=weight_format)
         self.weight_record = self.checkpoint.observer.record
+        if self.memory is not None and weight_format is not None:
+            self.memory.weights = self.weight_bytes   # the meta-device estimate counted them unpacked
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stager = DeviceStager(self.device)

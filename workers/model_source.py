@@ -128,6 +128,13 @@ def check_model(model: str) -> None:
                                 "the folder that holds config.json")
 
 
+def is_gguf_model(model: str) -> bool:
+    """Whether a model argument names a GGUF file (a known name's file counts), without reading it."""
+    if model in KNOWN_MODELS:
+        return KNOWN_MODELS[model][1].endswith(".gguf")
+    return Path(model).suffix == ".gguf"
+
+
 def load_config(files: ModelFiles):
     """The transformers config of the model (parsed from GGUF metadata for ``.gguf`` files)."""
     from transformers import AutoConfig

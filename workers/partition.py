@@ -41,3 +41,17 @@ def split_units(num_units: int, tp_size: int, weights: list[float] | None = None
             f"every rank needs at least one"
         )
     return ranges
+
+
+def split_rows(num_rows: int, tp_size: int, weights: list[float] | None = None,
+               unit: int = 32) -> list[tuple[int, int]]:
+    """Split ``num_rows`` rows (an MLP's intermediate dim) in units of ``unit`` rows when it
+    divides ``num_rows``, so a row-parallel slice holds whole quantization groups of 32 inputs;
+    otherwise in single rows. Returns ``[(start, count), ...]`` per rank, in rows.
+
+    Raises:
+        ValueError: as :func:`split_units`.
+    """
+    if num_rows % unit or num_rows // unit < tp_size:
+        return split_units(num_rows, tp_size, weights)
+    return [(start * unit, count * unit) for start, count in split_units(num_rows // unit, tp_size, weights)]

@@ -108,9 +108,13 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices:
         opts = [options[i] for i in random_rows]
         probs = sampling_probs(logits[idx], opts)
         noise = torch.empty_like(probs)
+        unseeded = [row for row, o in enumerate(opts) if o.seed is None]
+        if unseeded:   # one draw for all rows that share the engine's generator
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=generator)
         for row, (i, o) in enumerate(zip(random_rows, opts)):
-            gen = generator if o.seed is None else seeded_generator(o.seed, output_indices[i], device=logits.device)
-            noise[row].exponential_(generator=gen)
+            if o.seed is not None:   # a seeded row's noise depends only on (seed, output index)
+                noise[row].exponential_(generator=seeded_generator(o.seed, output_indices[i], device=logits.device))
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want_logprobs = any(o.logprobs is not None for o in options)
     logprobs = logits.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)

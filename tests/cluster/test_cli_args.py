@@ -88,6 +88,14 @@ def test_a_file_that_is_not_gguf_says_so(tmp_path, nothing_loads, capsys):
     assert code == 2 and "not .gguf" in err
 
 
+
+@pytest.mark.parametrize("command", ["generate", "serve", "serve-grpc"])
+def test_quantization_of_a_known_gguf_model_is_refused_before_anything_loads(command, nothing_loads, capsys):
+    """A known name counts as the GGUF file it stands for; nothing is resolved or downloaded to say so."""
+    argv = [command, "--model", "smollm2-135m-instruct", "--quantization", "int8"]
+    code, err = run_main(argv + (["--prompt", "hi"] if command == "generate" else []), capsys)
+    assert code == 2 and "is a GGUF file, quantized already" in err and err.count("\n") == 1, err
+
 @pytest.mark.parametrize("command", ["serve", "serve-grpc"])
 @pytest.mark.parametrize("flags,message", [
     (["--api-key-file", "/no/such/keys.txt"], "--api-key-file /no/such/keys.txt: no such file"),

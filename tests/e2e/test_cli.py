@@ -43,6 +43,14 @@ def test_bad_engine_settings_are_rejected_before_anything_starts(command, bad, m
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_quantization_of_a_gguf_file_is_refused_before_loading(command, smollm2_files):
+    exe = Path(sys.executable).parent / "shardserve"
+    args = [str(exe), command, "--model", str(smollm2_files.path), "--quantization", "int4"]
+    proc = subprocess.run(args + (["--prompt", "hi"] if command == "generate" else []),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "applies to float checkpoints" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
 def _one_line_error(proc) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("shardserve: error:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr

@@ -28,7 +28,8 @@ MAX_MODEL_LEN = 512
 def server(ray_cluster, replicas, smollm2_files):
     # recovery_timeout: far too short for a replacement rank to load, so the death test ends failed
     args = EngineArgs(model=str(smollm2_files.path), tensor_parallel_size=2, kv_cache_gib=0.05,
-                      max_model_len=MAX_MODEL_LEN, recovery_timeout=0.5)
+                      max_model_len=MAX_MODEL_LEN, recovery_timeout=0.5,
+                      dtype="float32")   # compared with smollm2_llm
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1))
     address = ray_cluster.get(handle.start_grpc.remote(0, "127.0.0.1"))
     channel = grpc.insecure_channel(address)

@@ -148,3 +148,24 @@ def test_logprobs_are_log_softmax_of_the_model(smollm2_llm, smollm2_hf, prompt_i
     assert lp.token_id == done.token_ids[0] == int(ref.argmax())
     assert abs(lp.logprob - ref[lp.token_id].item()) < 1e-3
     assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+DEFAULT_PATH_LOGIT_BOUND = 2.0   # measured up to 1.2 on these prompts (README: "CPU speed and accuracy")
+
+
+def test_default_path_is_packed_bfloat16_and_close_to_transformers(smollm2_llm_packed, smollm2_hf, prompt_ids,
+                                                                   smollm2_files):
+    """The CPU default keeps the Q4_1 / Q8_0 weights packed and computes in bfloat16: not token for
+    token equal to transformers' float32 over long generations (the tests above run ``dtype="float32"``),
+    but the same next token after every parity prompt, with logits within bfloat16 noise."""
+    runner = smollm2_llm_packed.runner
+    layer = runner.model.model.layers[0]
+    assert runner.dtype == torch.bfloat16 and layer.mlp.gate_up_proj.packed.kind == "int4"
+    assert runner.model.lm_head.packed.kind == "int8"
+    assert runner.weight_bytes < 1.3 * smollm2_files.path.stat().st_size
+    for i, ids in enumerate(prompt_ids):
+        ours = smollm2_llm_packed.core.prompt_logits(ids)
+        with torch.no_grad():
+            ref = smollm2_hf(torch.tensor([ids])).logits[0, -1].float()
+        diff = (ours - ref).abs().max().item()
+        assert int(ours.argmax()) == int(ref.argmax()) and diff < DEFAULT_PATH_LOGIT_BOUND, f"prompt {i}: {diff}"

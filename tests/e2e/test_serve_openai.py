@@ -100,7 +100,7 @@ def server(ray_cluster):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app({"model": MODEL, "tensor_parallel_size": 2, "data_parallel_size": 2, "cpus_per_worker": 1,
                          "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN, "grpc_host": "127.0.0.1",
-                         "grpc_port": 0})
+                         "grpc_port": 0, "dtype": "float32"})   # as smollm2_llm
         # serve.run returns once every replica has loaded; watch /health meanwhile
         deploying = ThreadPoolExecutor(1).submit(serve.run, app, name="shardserve-test", route_prefix="/")
         base = f"http://127.0.0.1:{port}"

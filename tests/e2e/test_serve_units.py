@@ -45,6 +45,7 @@ def error_of(parse, body) -> OpenAIError:
     (parse_completion, {}, "prompt", "required"),
     (parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs", "logprobs"),
     (parse_completion, {"prompt": [1, "a"]}, "prompt", "prompt"),
+    (parse_completion, {"prompt": "x", "ignore_eos": 1}, "ignore_eos", "boolean"),
 ])
 def test_bad_requests_are_400_with_openai_bodies(parse, body, param, fragment):
     err = error_of(parse, body)
@@ -62,6 +63,7 @@ def test_parsed_fields_follow_openai_defaults():
     assert (chat.n, chat.seed, chat.logprobs, chat.stream, chat.include_usage) == (2, 3, 2, True, True)
     assert parse_chat({"messages": CHAT}).max_tokens is None           # chat: up to the context length
     assert parse_completion({"prompt": "x"}).sampling["max_tokens"] == 16   # legacy default
+    assert parse_completion({"prompt": "x", "ignore_eos": True}).sampling["ignore_eos"] is True   # vLLM extension
     assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
     assert parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
     parts = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},

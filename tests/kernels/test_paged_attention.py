@@ -73,19 +73,23 @@ def test_paged_attention_kernel_matches_reference(block_size, seq_lens, query_le
     assert_close(actual, expected, dtype)
 
 
-@pytest.mark.parametrize("block_size,seq_lens,query_lens,num_kv_heads", [
-    pytest.param(16, [1], [1], 1, id="B1-T1-H2-D16-fp32-bs16-single"),
-    pytest.param(16, [16, 17, 9], [2, 1, 9], 2, id="B3-T12-H4-D16-fp32-bs16-boundary-varlen"),
-    pytest.param(64, [65, 64], [1, 3], 1, id="B2-T4-H2-D16-fp32-bs64-boundary"),
-])
-def test_paged_attention_reference_matches_dense(block_size, seq_lens, query_lens, num_kv_heads):
+REF_CASES = [(16, [1], [1], 1, "single"), (16, [16, 17, 9], [2, 1, 9], 2, "boundary-varlen"),
+             (64, [65, 64], [1, 3], 1, "boundary"), (16, [5, 40, 17], [1, 1, 1], 3, "decode-batch")]
+
+
+@pytest.mark.parametrize("block_size,seq_lens,query_lens,num_kv_heads,dtype", [
+    pytest.param(bs, lens, qlens, kv, dt, id=case_id(len(lens), sum(qlens), 2 * kv, 16, dt, f"bs{bs}", tag))
+    for bs, lens, qlens, kv, tag in REF_CASES for dt in DTYPES])
+def test_paged_attention_reference_matches_dense(block_size, seq_lens, query_lens, num_kv_heads, dtype):
+    """float32: torch's SDPA; bf16: :func:`grouped_attention` (two matmuls, float32 softmax)."""
     num_heads = 2 * num_kv_heads
     query, k_cache, v_cache, block_tables, keys, values = build(block_size, seq_lens, query_lens, num_heads,
-                                                                num_kv_heads, 16, torch.float32)
+                                                                num_kv_heads, 16, dtype)
     out = paged_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(seq_lens),
                               query_start_loc_of(query_lens), 0.25, max(query_lens), max(seq_lens))
     naive = dense_attention(query, keys, values, seq_lens, query_lens, 0.25)
-    torch.testing.assert_close(out.double(), naive, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    assert_close(out.double(), naive, dtype)
 
 
 @pytest.mark.parametrize("block_size,dtype", [pytest.param(bs, dt, id=case_id(1, 7, 2, 24, dt, f"bs{bs}"))

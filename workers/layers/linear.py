@@ -7,7 +7,10 @@ Partitions are explicit ``(start, size)`` row/column ranges so uneven splits by 
 column-parallel outputs stay sharded, row-parallel outputs are summed with one all-reduce.
 
 A layer may hold its weight in FP8 with block scales (``weight_scale_inv``, set up by
-:func:`workers.fp8.keep_fp8_linears` on GPUs); :func:`linear` runs either kind.
+:func:`workers.fp8.keep_fp8_linears` on GPUs), or, with a weight format set on CPU
+(``workers/layers/quantized.py``), its slice of a quantized weight packed for the CPU kernels
+(``packed`` set, ``weight`` None: column slices are whole output rows, row-parallel slices whole
+groups of 32 input columns); :func:`linear` runs every kind.
 """
 
 from __future__ import annotations
@@ -22,11 +25,38 @@ from shardserve.workers.distributed import get_tp_group
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + bias`` for a layer's ``weight``: a plain matmul, or the FP8 block-scaled kernel
-    when the weight is ``float8_e4m3fn`` (with ``layer.weight_scale_inv`` and ``layer.block_size``)."""
+    """``x W^T + bias`` for a layer's ``weight``: a plain matmul, the packed CPU kernel when the
+    layer holds a packed weight, or the FP8 block-scaled kernel when the weight is
+    ``float8_e4m3fn`` (with ``layer.weight_scale_inv`` and ``layer.block_size``)."""
+    packed = getattr(layer, "packed", None)
+    if packed is not None:
+        out = packed.matmul(x)
+        return out if bias is None else out + bias
     if layer.weight.dtype == torch.float8_e4m3fn:
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, bias)
     return F.linear(x, layer.weight, bias)
+
+
+class PackableLinear(nn.Module):
+    """What the column- and row-parallel layers share for packed weights (``workers/layers/quantized.py``).
+
+    Attributes:
+        packable: may hold a packed weight (not when ``fp8_allowed`` is False: its weight is read directly).
+        staging: integer-form parts collected while loading (None: plain float weights).
+        packed: the packed weight after loading, or None.
+    """
+
+    packable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging = None
+        self.packed = None
+
+    def set_packed(self, packed) -> None:
+        """Use ``packed`` (a :class:`~workers.layers.quantized.PackedWeight`) instead of ``weight``."""
+        self.packed = packed
+        self.weight = None
 
 
 def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
@@ -38,7 +68,7 @@ def _check_shape(tensor: LazyTensor, dim: int, expected: int) -> None:
             f"expected {expected} along dim {dim}")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """``y = x W^T`` with W's output rows split across ranks; one or more logical matrices
     packed side by side (QKV, gate/up).
 
@@ -74,13 +104,19 @@ class ColumnParallelLinear(nn.Module):
         _check_shape(tensor, 0, full)
         if param.dim() == 2:
             _check_shape(tensor, 1, self.in_features)
+            if self.staging is not None and self.staging.take(shard_id, tensor, lambda q: q.rows(start, size)):
+                return
         param.data[self.offsets[shard_id]:self.offsets[shard_id] + size].copy_(tensor[start:start + size])
+
+    def dense_slot(self, shard_id: int) -> torch.Tensor:
+        """The rows of ``weight`` that packed matrix ``shard_id`` fills."""
+        return self.weight.data[self.offsets[shard_id]:self.offsets[shard_id + 1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x W^T`` with W's input columns split across ranks, then summed by all-reduce.
 
     Args:
@@ -113,7 +149,13 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(tensor[:])
             return
         _check_shape(tensor, 1, self.in_features)
+        if self.staging is not None and self.staging.take(
+                shard_id, tensor, lambda q: q.cols(self.local_start, self.local_size)):
+            return
         param.data.copy_(tensor[:, self.local_start:self.local_start + self.local_size])
+
+    def dense_slot(self, shard_id: int) -> torch.Tensor:
+        return self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()

@@ -38,10 +38,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.interleaved = interleaved
+        self._angles: tuple[torch.Tensor, ...] = ()   # (positions, cos, sin) of the last call
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``x [T, heads, rot_dim]`` by the angles of ``positions [T]``."""
         from shardserve.kernels import apply_rotary
 
-        cos, sin = self.cos[positions], self.sin[positions]
+        if not self._angles or self._angles[0] is not positions:   # once per step, not once per layer
+            self._angles = (positions, self.cos[positions], self.sin[positions])
+        _, cos, sin = self._angles
         return tuple(apply_rotary(x, cos, sin, self.interleaved) for x in xs)

@@ -17,7 +17,7 @@ from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmb
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
-from shardserve.workers.partition import split_units
+from shardserve.workers.partition import split_rows, split_units
 
 
 class LlamaAttention(nn.Module):
@@ -58,11 +58,11 @@ class LlamaAttention(nn.Module):
         meta = get_attention_metadata()
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # Q and K heads side by side: one RoPE call rotates both ([T, H + Hkv, D]).
+        (qk,) = self.rotary(positions, qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                      self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
         group = get_tp_group()
         rank, size = group.tp_rank, group.tp_size
         kv_ranges = split_units(config.num_key_value_heads, size, tensor_split)
-        inter_ranges = split_units(config.intermediate_size, size, tensor_split)
+        inter_ranges = split_rows(config.intermediate_size, size, tensor_split)   # whole groups of 32
         vocab_ranges = split_units(config.vocab_size, size, tensor_split)
         self.vocab_ranges = vocab_ranges
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

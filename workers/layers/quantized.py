@@ -1,0 +1,130 @@
+"""Packed weights inside the parallel layers: collected while loading, packed once after.
+
+A layer whose ``weight_format`` is set (:func:`apply_weight_format`, before loading) asks it, per
+checkpoint tensor, for the tensor's integer form (:class:`~workers.quantization.QuantizedWeight`),
+cuts its own rows or columns out of it (whole quantization groups only) and keeps that part in
+:class:`PackStaging` instead of writing floats. :func:`process_weights_after_loading` then packs
+each layer whose parts are all of one kind and fit the kernels into a :class:`PackedWeight`, and
+drops the (never written, so never resident) float parameter. A layer with a part that had no
+integer form, parts of different kinds (a Q8_0 V beside Q4_1 Q/K) or a shape the kernels reject
+gets its parts dequantized into the float weight instead: always correct, only slower.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.kernels.packed_linear import (int4_linear, int4_supported, int8_linear, int8_supported,
+                                              pack_int4)
+from shardserve.workers.quantization import QuantizedWeight, WeightFormat
+
+
+class PackedWeight:
+    """One ``[N, K]`` weight in a CPU kernel's layout.
+
+    Args:
+        weight: the integer form (int4 group-wise or int8 per row).
+        dtype: compute dtype (the kernels' scales are stored in it).
+
+    Attributes:
+        kind: ``"int4"`` or ``"int8"``. shape: ``(N, K)``.
+        row_scales: int8 only: ``[N]`` float32 scales, for embedding lookups.
+    """
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.kind, self.shape, self.dtype = weight.kind, weight.shape, dtype
+        if weight.kind == "int4":
+            self.packed, self.scale_zeros = pack_int4(weight.codes, weight.scales, weight.zeros, dtype)
+            self.group_size = weight.group_size
+        else:
+            self.qweight = weight.codes.contiguous()
+            self.row_scales = weight.scales.float().contiguous()
+            self.scales = self.row_scales.to(dtype)
+
+    @staticmethod
+    def supported(weight: QuantizedWeight) -> bool:
+        """Whether the kernel for ``weight.kind`` takes its shape."""
+        num_out, num_in = weight.shape
+        if weight.kind == "int4":
+            return int4_supported(num_out, num_in, weight.group_size)
+        return int8_supported(num_out, num_in)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] -> x @ W^T [M, N]`` in the compute dtype."""
+        if self.kind == "int4":
+            return int4_linear(x, self.packed, self.scale_zeros, self.group_size)
+        return int8_linear(x, self.qweight, self.scales)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids [T]`` of W (int8 only: embeddings), ``[T, K]`` in the compute dtype."""
+        return (self.qweight[ids].float() * self.row_scales[ids, None]).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = ([self.packed, self.scale_zeros] if self.kind == "int4"
+                   else [self.qweight, self.row_scales, self.scales])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PackStaging:
+    """The integer-form parts a layer's loader collected, by shard id (None: loaded as floats)."""
+
+    def __init__(self, fmt: WeightFormat, embedding: bool = False) -> None:
+        self.fmt, self.embedding = fmt, embedding
+        self.parts: dict[int, QuantizedWeight | None] = {}
+
+    def take(self, shard_id: int, tensor, cut) -> bool:
+        """Keep ``cut(integer form of tensor)`` for ``shard_id``; False (and nothing kept) when the
+        tensor has no integer form or the cut splits a group: the caller then loads floats."""
+        whole = self.fmt.integer_form(tensor, self.embedding)
+        part = None if whole is None else cut(whole)
+        self.parts[shard_id] = part
+        return part is not None
+
+    def merged(self) -> QuantizedWeight | None:
+        """All parts stacked along rows when every part has an integer form of one kind that a
+        kernel takes; else None."""
+        if not self.parts or any(p is None for p in self.parts.values()):
+            return None
+        merged = QuantizedWeight.cat_rows([self.parts[i] for i in sorted(self.parts)])
+        return merged if merged is not None and PackedWeight.supported(merged) else None
+
+
+def apply_weight_format(model: nn.Module, fmt: WeightFormat) -> None:
+    """Before loading: let every packable layer of ``model`` in the compute dtype collect integer
+    forms. Layers whose weight is read directly (``fp8_allowed = False``: MLA's absorbed
+    ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head weights) stay
+    as they are."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (getattr(module, "packable", False) and getattr(module, "fp8_allowed", True) and weight is not None
+                and weight.dtype == fmt.dtype):
+            module.staging = PackStaging(fmt, embedding=getattr(module, "is_embedding", False))
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module) -> None:
+    """After loading: pack every layer whose staged parts allow it, dequantize the rest into their
+    float weights (see the module docstring)."""
+    for module in model.modules():
+        staging = getattr(module, "staging", None)
+        if staging is None:
+            continue
+        module.staging = None
+        merged = staging.merged()
+        if merged is not None:
+            module.set_packed(PackedWeight(merged, staging.fmt.dtype))
+            continue
+        for shard_id, part in staging.parts.items():
+            if part is not None:
+                module.dense_slot(shard_id).copy_(part.dequantize())
+    for module in model.modules():   # a tied LM head shares its embedding's packed weight
+        shared = getattr(getattr(module, "weight", None), "packed_as", None)
+        if shared is not None:
+            module.set_packed(shared)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of every packed weight in ``model``."""
+    return sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
