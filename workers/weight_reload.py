@@ -123,13 +123,14 @@ class StagedWeights:
     """A reload read and compared, not yet applied.
 
     Attributes:
-        updates: ``(parameter, host tensor with its new contents)`` for every changed parameter.
+        updates: ``(parameter or packed-weight tensor, host tensor with its new contents)`` for every
+            changed one.
         changed: checkpoint tensors with at least one read whose digest changed.
         read: every checkpoint tensor this rank read.
         record: the digests and shapes to keep after a commit.
     """
 
-    updates: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    updates: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     changed: set[str] = field(default_factory=set)
     read: set[str] = field(default_factory=set)
     record: WeightRecord = field(default_factory=WeightRecord)
@@ -180,8 +181,52 @@ def stage_weights(model: nn.Module, ckpt: Checkpoint, hf_config, old: WeightReco
         if changed:
             staged.changed |= changed
             staged.updates.append((param, scratch))
+    _stage_packed(model, view, recorder, old, staged)
     staged.record = recorder.record
     return staged
+
+
+@torch.no_grad()
+def _stage_packed(model: nn.Module, view: Checkpoint, recorder: ReadRecorder, old: WeightRecord,
+                  staged: StagedWeights) -> None:
+    """Packed layers (``workers/layers/quantized.py``) have no float parameter: their loader reads
+    each part again into a fresh staging, the parts are packed again, and the new tensors are kept
+    when a read changed (a weight tied to another layer's is staged once).
+
+    Raises:
+        CheckpointError: a changed tensor no longer packs into the same layout (another GGUF type
+            or group size): only a restart of the replica can load it.
+    """
+    from shardserve.workers.checkpoint import CheckpointError
+    from shardserve.workers.layers.quantized import PackedWeight, PackStaging
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    names, rename, seen = set(view.names()), getattr(model, "checkpoint_name", None), set()
+    for module_name, module in model.named_modules():
+        packed = getattr(module, "packed", None)
+        if packed is None or id(packed) in seen:
+            continue
+        seen.add(id(packed))
+        key = f"{module_name}.weight"
+        sources = checkpoint_sources(model, rename(key, names) if rename is not None else key, view)
+        module.staging = PackStaging(module.weight_format, embedding=getattr(module, "is_embedding", False))
+        scratch = torch.empty(packed.shape, dtype=packed.dtype)   # where a part without integer form lands
+        try:
+            for ckpt_name, shard_id in sources:
+                module.weight_loader(scratch, view.require(ckpt_name), shard_id)
+            merged = module.staging.merged()
+        finally:
+            module.staging = None
+        changed = {key[0] for key in recorder.take_reads() if recorder.record.digests[key] != old.digests.get(key)}
+        staged.read.update(name for name, _ in sources)
+        if not changed:
+            continue
+        if merged is None or not packed.same_layout(merged):
+            raise CheckpointError(f"tensor {sorted(changed)[0]!r} changed to a form that cannot replace the "
+                                  f"packed {packed.kind} weight in place (another quantization type or group "
+                                  f"size); restart the replica to load it")
+        staged.changed |= changed
+        staged.updates.extend(zip(packed.tensors(), PackedWeight(merged, packed.dtype).tensors()))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.weight_swap import InvalidCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from tiny_checkpoints import load_hf_model, write_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import load_hf_model, write_tiny_checkpoint, write_tiny_llama  # noqa: E402
 
 ARCH = "deepseek_v32"
 PROMPT = [5, 17, 33, 60, 71, 90, 12, 44, 101, 7, 66, 23, 88, 3]   # 14 tokens > index_topk (8): DSA selects
@@ -153,14 +153,15 @@ def test_a_bad_checkpoint_is_refused_and_nothing_changes(llm, folder, tmp_path, 
 
 
 @pytest.mark.slow
-def test_gguf_slices_digest_the_same_twice(smollm2_llm):
-    """GGUF reads (dequantized, Llama Q/K un-permuted) give the same digests on a second read, so
-    a reload of unchanged GGUF files changes nothing (the rank-side half of a reload, without the
-    coordinator's checks: each GGUF parse costs seconds here)."""
+@pytest.mark.parametrize("engine", ["smollm2_llm", "smollm2_llm_packed"])
+def test_gguf_slices_digest_the_same_twice(engine, request):
+    """GGUF reads (dequantized, Llama Q/K un-permuted; or kept packed, the CPU default) give the
+    same digests on a second read, so a reload of unchanged GGUF files changes nothing (the
+    rank-side half of a reload, without the coordinator's checks: each GGUF parse costs seconds)."""
     from shardserve.workers.weight_reload import ReadRecorder, stage_weights
 
-    runner = smollm2_llm.runner
-    runner.checkpoint.reopen(smollm2_llm.files.path)
+    runner = request.getfixturevalue(engine).runner
+    runner.checkpoint.reopen(runner.checkpoint.path)
     runner.checkpoint.observer = ReadRecorder()
     staged = stage_weights(runner.model, runner.checkpoint, runner.hf_config, runner.weight_record)
     assert not staged.changed and not staged.updates
@@ -185,3 +186,24 @@ def test_fp8_checkpoint_reload_equals_a_fresh_load(tmp_path):
     assert result.changed_tensors == 1
     after = greedy_ids(llm)
     assert after == greedy_ids(LLM(EngineArgs(**args), progress=False)) and after != before
+
+
+def test_packed_weights_reload_equals_a_fresh_load(tmp_path):
+    """``--quantization int8`` keeps the linear weights packed (no float parameter left): a changed
+    tensor is read again through its layer's loader, packed again and copied into the same packed
+    storage; the result equals a fresh load of the changed files."""
+    write_tiny_llama(tmp_path, seed=5, tokenizer=True, vocab_size=128)   # PROMPT ids < 128
+    args = EngineArgs(model=str(tmp_path), block_size=4, num_blocks=64, quantization="int8")
+    llm = LLM(args, progress=False)
+    packed = {name: m.packed for name, m in llm.runner.model.named_modules() if getattr(m, "packed", None)}
+    assert "model.layers.1.mlp.down_proj" in packed
+    before = {name: [(t.data_ptr(), t.clone()) for t in p.tensors()] for name, p in packed.items()}
+    rewrite_tensor(tmp_path, "model.layers.1.mlp.down_proj.weight", lambda t: t * 1.5 + 0.01)
+
+    result = llm.reload_weights()
+    assert result.changed_tensors == 1
+    changed = [name for name, p in packed.items()
+               if any(not torch.equal(old, new) for (_, old), new in zip(before[name], p.tensors()))]
+    assert changed == ["model.layers.1.mlp.down_proj"]
+    assert all(ptr == new.data_ptr() for name, p in packed.items() for (ptr, _), new in zip(before[name], p.tensors()))
+    assert greedy_ids(llm) == greedy_ids(LLM(args, progress=False))

@@ -60,11 +60,18 @@ class PackedWeight:
         """Rows ``ids [T]`` of W (int8 only: embeddings), ``[T, K]`` in the compute dtype."""
         return (self.qweight[ids].float() * self.row_scales[ids, None]).to(self.dtype)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this weight keeps (a weight reload copies new contents into them in place)."""
+        return [self.packed, self.scale_zeros] if self.kind == "int4" else [self.qweight, self.row_scales, self.scales]
+
+    def same_layout(self, weight: QuantizedWeight) -> bool:
+        """Whether ``weight`` packs into tensors of exactly this weight's shapes."""
+        return (weight.kind == self.kind and tuple(weight.shape) == tuple(self.shape)
+                and (self.kind == "int8" or weight.group_size == self.group_size))
+
     @property
     def nbytes(self) -> int:
-        tensors = ([self.packed, self.scale_zeros] if self.kind == "int4"
-                   else [self.qweight, self.row_scales, self.scales])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class PackStaging:
@@ -101,6 +108,7 @@ def apply_weight_format(model: nn.Module, fmt: WeightFormat) -> None:
         if (getattr(module, "packable", False) and getattr(module, "fp8_allowed", True) and weight is not None
                 and weight.dtype == fmt.dtype):
             module.staging = PackStaging(fmt, embedding=getattr(module, "is_embedding", False))
+            module.weight_format = fmt   # kept: a weight reload stages this layer's parts again
 
 
 @torch.no_grad()
