@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.coordinator import launch_coordinator
+from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
 from shardserve.cluster.request import SamplingParams
 from shardserve.cluster.worker_group import GroupConfig
 
@@ -37,9 +36,7 @@ def measure(model: str, tp: int, collective: str | None, dispatch: str, new_toke
         ray.get(handle.complete.remote(prompt, params))
         stats = ray.get(handle.take_step_stats.remote())
     finally:
-        ray.get(handle.shutdown.remote())
-        ray.kill(handle)
-        remove_placement_group(pg)
+        stop_coordinator(handle, pg)
     steps = stats["steps"]
     return {key: stats[key] / steps * 1e3 for key in ("step_s", "execute_s", "collective_s")}
 

@@ -240,9 +240,8 @@ def _interrupt_event():
 
 def _serve_grpc(ns: argparse.Namespace) -> int:
     import ray
-    from ray.util.placement_group import remove_placement_group
 
-    from shardserve.cluster.coordinator import launch_coordinator
+    from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
     from shardserve.cluster.security import warn_if_exposed
     from shardserve.workers.model_source import check_model
 
@@ -272,12 +271,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
               flush=True)
         stop.wait()
     finally:
-        try:
-            ray.get(handle.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
-        ray.kill(handle)
-        remove_placement_group(pg)
+        stop_coordinator(handle, pg)
         ray.shutdown()
     return 0
 
@@ -513,9 +507,8 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     """``generate --tensor-parallel-size N``: one coordinator and N shard workers on a local Ray
     cluster (as ``serve-grpc``), one request, then everything is shut down."""
     import ray
-    from ray.util.placement_group import remove_placement_group
 
-    from shardserve.cluster.coordinator import launch_coordinator
+    from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
 
     group = _group_config(ns)
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
@@ -533,12 +526,7 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
                 "num_output_tokens": len(out["token_ids"])}
     finally:
         if handle is not None:
-            try:
-                ray.get(handle.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
-            ray.kill(handle)
-            remove_placement_group(pg)
+            stop_coordinator(handle, pg)
         ray.shutdown()
 
 

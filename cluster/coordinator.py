@@ -505,3 +505,17 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
         options["name"] = name
     handle = ray.remote(Coordinator).options(**options).remote(args, group, front)
     return handle, pg
+
+
+def stop_coordinator(handle, pg, timeout_s: float = 30.0) -> None:
+    """Undo :func:`launch_coordinator`: shut the coordinator down (its gRPC server, ranks and shared
+    memory; an actor already dead is fine), kill it and remove its placement group."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - shutting down anyway (e.g. the actor died)
+        pass
+    ray.kill(handle)
+    remove_placement_group(pg)

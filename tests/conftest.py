@@ -71,15 +71,9 @@ class Replicas:
 
     def stop(self, handle) -> None:
         """Shut a replica down and release its placement group (frees its CPUs for the next)."""
-        from ray.util.placement_group import remove_placement_group
+        from shardserve.cluster.coordinator import stop_coordinator
 
-        pg = self.groups.pop(handle)
-        try:
-            self.ray.get(handle.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - already dead (e.g. the worker-death test)
-            pass
-        self.ray.kill(handle)
-        remove_placement_group(pg)
+        stop_coordinator(handle, self.groups.pop(handle), timeout_s=60)
 
     def stop_all(self) -> None:
         for handle in list(self.groups):
