@@ -98,7 +98,9 @@ async def run_load(base_url: str, server: str, concurrency: int, num_requests: i
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800)
-    connector = aiohttp.TCPConnector(limit=concurrency + 1)
+    # a new connection per request: llama-server closes a kept-alive one after a stream, and a
+    # pooled connection the server closed fails its next request ("Can not write request body")
+    connector = aiohttp.TCPConnector(limit=concurrency + 1, force_close=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         await _one_request(session, base_url, model, -1, 4)
