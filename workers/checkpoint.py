@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -294,8 +295,7 @@ class GGUFCheckpoint(Checkpoint):
         quantized = None
         if qtype in PACKED_GGUF_TYPES and len(shape) == 2:
             quantized = lambda: self._integer_form(name, tensor, shape)  # noqa: E731
-        return self._lazy(name, str(self.path), shape, read, qtype, quantized,
-                          raw=lambda: torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(-1)))
+        return self._lazy(name, str(self.path), shape, read, qtype, quantized, raw=lambda: _stored_bytes(tensor))
 
     def _open_like(self, path: str | os.PathLike) -> GGUFCheckpoint:
         return GGUFCheckpoint(path, self.num_heads, self.num_kv_heads)
@@ -331,6 +331,13 @@ class GGUFCheckpoint(Checkpoint):
             heads = self.num_heads if "q_proj" in name else self.num_kv_heads
             weight = unpermute_llama_qk(weight, heads)
         return weight
+
+
+def _stored_bytes(tensor) -> torch.Tensor:
+    """A GGUF tensor's bytes as stored (uint8, a view of the read-only memory map: only hashed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch warns that the array is not writable
+        return torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(-1))
 
 
 def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
