@@ -226,16 +226,43 @@ def _quiet_ray_serve_driver_logs() -> None:
     logging.getLogger("ray.serve").addFilter(lambda record: record.levelno >= logging.WARNING)
 
 
-def _interrupt_event():
+def _interrupt_event(stop=None):
     """An event set by SIGINT / SIGTERM (installed before start-up, so an early Ctrl-C also
-    shuts down cleanly instead of killing the process half-way)."""
+    shuts down cleanly instead of killing the process half-way). Called again with the same
+    event after ``ray.init``, whose core worker installs its own SIGTERM handler (it would dump a
+    stack and exit without shutting Serve down: ``docker stop`` / systemd send SIGTERM)."""
     import signal
     import threading
 
-    stop = threading.Event()
+    stop = stop or threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return stop
+
+
+def _port(text: str) -> int:
+    """argparse type of a TCP port: an integer in [0, 65535]."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is in [0, 65535], got {port}")
+    return port
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Raises ValueError (one line) when ``port`` on ``host`` is taken: Ray Serve's proxy binds with
+    SO_REUSEPORT, so a second server would silently share the port with the first."""
+    import socket
+
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT leftovers are no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"{flag} {port}: {host}:{port} is in use ({exc.strerror}); is another server "
+                             f"running? Stop it or pick another port") from None
 
 
 def _serve_grpc(ns: argparse.Namespace) -> int:
@@ -253,7 +280,9 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
     if not ns.address:
         group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
+    check_port_free(ns.host, ns.grpc_port, "--grpc-port")
     init_ray(ns.address, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
+    _interrupt_event(stop)
     if ns.address:
         try:
             group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, ns.address)
@@ -360,8 +389,12 @@ def _serve(ns: argparse.Namespace) -> int:
     num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
     if not ns.address:
         cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, None)
+    if not ns.address:   # a Serve app on a cluster of its own takes this machine's ports
+        check_port_free(ns.host, ns.port, "--port")
+        check_port_free(cfg.grpc_host, cfg.grpc_port, "--grpc-port")
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
+    _interrupt_event(stop)
     if ns.address:
         try:
             cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, ns.address)
@@ -530,10 +563,17 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
         ray.shutdown()
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose usage errors are one line on stderr (exit code 2), not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``shardserve`` argument parser (every flag has help naming its default and unit)."""
-    parser = argparse.ArgumentParser(prog="shardserve", description="Ray-based tensor-parallel LLM serving",
-                                     formatter_class=_HelpFormatter)
+    parser = _OneLineErrors(prog="shardserve", description="Ray-based tensor-parallel LLM serving",
+                            formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)
@@ -558,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(grpc_cmd)
     _cluster_flags(grpc_cmd)
     _front_flags(grpc_cmd)
-    grpc_cmd.add_argument("--grpc-port", type=int, default=50051, help="TCP port of the gRPC API; 0 = any free port")
+    grpc_cmd.add_argument("--grpc-port", type=_port, default=50051, help="TCP port of the gRPC API; 0 = any free port")
     grpc_cmd.add_argument("--host", default="127.0.0.1",
                           help="interface the gRPC API binds (0.0.0.0: all; without --api-key a warning)")
     grpc_cmd.set_defaults(func=_serve_grpc)
@@ -591,8 +631,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     _front_flags(parser)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="model replicas (each a TP group); requests go to the least-loaded one")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI HTTP API")
-    parser.add_argument("--grpc-port", type=int, default=50051,
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port of the OpenAI HTTP API")
+    parser.add_argument("--grpc-port", type=_port, default=50051,
                         help="TCP port of replica 0's gRPC API (replica i: port + i); 0 = any free port")
     parser.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
     parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")

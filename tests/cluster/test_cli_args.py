@@ -149,3 +149,27 @@ def test_non_loopback_binds_without_a_key_warn(caplog):
     assert len(caplog.records) == 1 and "without an API key" in caplog.records[0].getMessage()
     assert cli.build_parser().parse_args(["serve-grpc"]).host == "127.0.0.1"
     assert cli.build_parser().parse_args(["serve"]).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "abc"], ["serve", "--port", "99999"],
+                                  ["serve-grpc", "--grpc-port", "-1"], ["serve", "--bogus-flag"], ["bogus"],
+                                  ["serve", "--device", "tpu"]])
+def test_usage_errors_are_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "error:" in err and "usage" not in err, err
+
+
+@pytest.mark.parametrize("command", ["serve", "serve-grpc"])
+def test_a_port_in_use_is_one_line_before_anything_loads(command, capsys):
+    import socket
+
+    with socket.socket() as taken:   # a listener, like another server's
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flag = "--port" if command == "serve" else "--grpc-port"
+        assert cli.main([command, flag, str(port), "--host", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} {port}" in err and "in use" in err, err
