@@ -248,6 +248,24 @@ def _port(text: str) -> int:
     return port
 
 
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+
+
+def _quantity(text: str) -> str:
+    """argparse type of a Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1e9`` is not one)."""
+    if not _QUANTITY.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Kubernetes memory quantity (e.g. 8Gi, 512Mi)")
+    return text
+
+
+def _pods(text: str) -> int:
+    """argparse type of a pod count: an integer >= 1."""
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 pod, got {count}")
+    return count
+
+
 def check_port_free(host: str, port: int, flag: str) -> None:
     """Raises ValueError (one line) when ``port`` on ``host`` is taken: Ray Serve's proxy binds with
     SO_REUSEPORT, so a second server would silently share the port with the first."""
@@ -484,12 +502,14 @@ def _key_value(text: str) -> tuple[str, str]:
 def _manifest_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="shardserve", help="RayService name (the Service is NAME-openai)")
     parser.add_argument("--image", default="shardserve:0.1.0", help="image with shardserve installed")
-    parser.add_argument("--worker-pods", type=int, default=None, help="worker pods (default: the fewest that fit)")
+    parser.add_argument("--worker-pods", type=_pods, default=None, help="worker pods (default: the fewest that fit)")
     parser.add_argument("--gpus-per-pod", type=int, default=None,
                         help="GPUs per worker pod (default: one replica's ranks, at most 8)")
-    parser.add_argument("--memory-per-pod", default="8Gi", help="memory of a worker pod (Kubernetes quantity)")
-    parser.add_argument("--head-memory", default="4Gi", help="memory of the head pod")
-    parser.add_argument("--shm-size", default=None, help="memory-backed /dev/shm per pod (default: 1Gi, 64Gi on GPUs)")
+    parser.add_argument("--memory-per-pod", type=_quantity, default="8Gi",
+                        help="memory of a worker pod (Kubernetes quantity)")
+    parser.add_argument("--head-memory", type=_quantity, default="4Gi", help="memory of the head pod")
+    parser.add_argument("--shm-size", type=_quantity, default=None,
+                        help="memory-backed /dev/shm per pod (default: 1Gi, 64Gi on GPUs)")
     parser.add_argument("--surge-pods", type=int, default=None,
                         help="extra worker pods an upgrade may add while the new replica loads "
                              "(default: one replica's pods)")

@@ -173,3 +173,12 @@ def test_a_port_in_use_is_one_line_before_anything_loads(command, capsys):
         assert cli.main([command, flag, str(port), "--host", "127.0.0.1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{flag} {port}" in err and "in use" in err, err
+
+
+@pytest.mark.parametrize("flags", [["--memory-per-pod", "lots"], ["--head-memory", "4 GB"], ["--shm-size", "-1Gi"],
+                                   ["--worker-pods", "0"], ["--port", "99999"]])
+def test_manifest_refuses_values_kubernetes_would(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["manifest", "--image", "shardserve:test", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and flags[0] in err, err
