@@ -451,7 +451,7 @@ class Coordinator:
         """
         self.draining = True
         if self._grpc is not None:
-            self._grpc.set_unhealthy()
+            self._grpc.set_serving(False)
         deadline = time.monotonic() + timeout_s
         while self._queues and self.healthy and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,3 +188,37 @@ def test_worker_death_ends_streams_with_unavailable_and_a_repair_out_of_time_fai
     assert message and "in-place recovery failed" in message and "TimeoutError" in message, message
     info = stub(server).ModelInfo(pb.ModelInfoRequest())
     assert not info.healthy and not info.recovering and info.worker_restarts == 0
+
+
+def test_drain_finishes_the_running_stream_and_refuses_new_requests(ray_cluster, replicas, tmp_path):
+    """What a replica does when Serve stops it (rolling upgrade, scale-down): ``Coordinator.drain``
+    turns gRPC health NOT_SERVING, refuses new requests with UNAVAILABLE (the router retries them on
+    another replica) and returns 0 only once the stream already running has ended in full. Its own
+    tiny Llama coordinator at TP=1: the module's replica must keep serving for the other tests."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_checkpoints import write_tiny_llama
+
+    write_tiny_llama(tmp_path, seed=3, tokenizer=True, max_position_embeddings=512)
+    handle = replicas.launch(EngineArgs(model=str(tmp_path), kv_cache_gib=0.01, max_model_len=512),
+                             GroupConfig(cpus_per_worker=1))
+    try:
+        with grpc.insecure_channel(ray_cluster.get(handle.start_grpc.remote(0, "127.0.0.1"))) as channel:
+            inference = pb_grpc.InferenceStub(channel)
+            call = inference.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2, 3, 4]), sampling=pb.SamplingParams(
+                max_tokens=400, temperature=0.0, ignore_eos=True)), timeout=120)
+            tokens = list(next(call).token_ids)
+            drained = handle.drain.remote(60)
+            for resp in call:   # the running stream is not cut
+                tokens += resp.token_ids
+                last = resp
+            assert (len(tokens), last.finish_reason) == (400, "length")
+            assert ray_cluster.get(drained, timeout=60) == 0
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(service="")).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                list(inference.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2, 3])), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+            assert inference.ModelInfo(pb.ModelInfoRequest()).draining
+    finally:
+        replicas.stop(handle)
