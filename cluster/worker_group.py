@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardserve.cluster.ray_errors import root_cause
+from shardserve.cluster.step_timer import StepTimer
 from shardserve.workers.distributed import collective_kind
 from shardserve.workers.draft_worker import DraftWorker
 from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
@@ -80,6 +81,7 @@ class WorkerGroup:
         self.workers = [self._spawn(rank) for rank in range(tp)]
         self._segment = None
         self._dag = None
+        self._step_timer = StepTimer()
         try:
             self.collective = self._init_collective()
             infos = _first_failure_get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
@@ -170,7 +172,11 @@ class WorkerGroup:
         """
         try:
             if self._dag is not None:
-                return ray.get(self._dag.execute(plan))[0]
+                ref = self._dag.execute(plan)
+                time.sleep(self._step_timer.sleep_s(plan))   # the result read below spins: keep it short
+                result = ray.get(ref)[0]
+                self._step_timer.observe(plan, result.execute_s)
+                return result
             return _first_failure_get([w.execute.remote(plan) for w in self.workers])[0]
         except Exception as exc:
             if self._segment is not None:
