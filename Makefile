@@ -41,3 +41,4 @@ bench: install
 	$(PY) benchmarks/packed_accuracy.py
 	$(PY) benchmarks/profile_decode.py
 	$(PY) benchmarks/bench_serving.py
+	$(PY) benchmarks/cpu_per_token.py
