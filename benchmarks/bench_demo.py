@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "models"), str(ROOT / "tests" / "spec")]
 
 from bench_speculative import run as decode_run  # noqa: E402
-from plan_driver import PlanDriver, make_runner  # noqa: E402
+from plan_driver import PlanDriver, make_runner, recorded_indexer_calls  # noqa: E402
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
 from shardserve.cluster.request import SamplingParams  # noqa: E402
@@ -103,22 +103,45 @@ def speed_table(path: Path, prompts: list[list[int]], new_tokens: int) -> None:
 
 @torch.inference_mode()
 def fp8_agreement(path: Path, window: list[int], top_k: int) -> None:
-    """Share of the float path's selected keys that the fp8 indexer (keys and queries) also selects,
-    per layer (layer 0's inputs are equal in both runs; later layers inherit earlier differences)."""
+    """Share of the float path's selected keys that the fp8 indexer also selects, per layer, over
+    the rows that choose (positions >= ``top_k``; the others keep every key). End to end: the fp8
+    run's own selections (layer 0's inputs equal the float run's; later layers inherit earlier
+    differences). Same inputs: fp8 keys and queries, and fp8 keys with float queries (the bound on
+    what fp8 queries can reach), scored on the float run's own q, k and weights."""
+    from shardserve.kernels.indexer import indexer_scores_ref, quantize_index_keys, quantize_index_queries, select_topk
     from shardserve.workers.models.dsa_indexer import selection_mask
 
-    chosen = {}
+    chosen, float_calls = {"same fp8": [], "same fp8 keys": []}, []
     for cache_dtype in ("auto", "fp8"):
         runner = make_runner(path, block_size=BLOCK_SIZE, num_blocks=-(-len(window) // BLOCK_SIZE) + 1,
                              dsa_top_k=top_k, indexer_cache_dtype=cache_dtype)
         layers = [layer for layer in runner.model.attention_layers() if layer.indexer is not None]
         for layer in layers:
             layer.record_topk = True
-        PlanDriver(runner).step({"w": window})
-        chosen[cache_dtype] = [selection_mask(layer.last_topk, len(window)) for layer in layers]
-    shares = [(a & b).sum().item() / a.sum().item() for a, b in zip(chosen["auto"], chosen["fp8"])]
-    print(f"fp8 indexer (keys + queries) top-{top_k} agreement with the float path, {len(window)} tokens, per layer: "
-          + " ".join(f"{100 * share:.2f}%" for share in shares), flush=True)
+        with recorded_indexer_calls() as calls:
+            PlanDriver(runner).step({"w": window})
+        chosen[cache_dtype] = [layer.last_topk for layer in layers]
+        float_calls = float_calls or calls
+    for (q, weights, k_cache, block_tables, seq_lens, _, starts, width), _ in float_calls:
+        packed = quantize_index_keys(k_cache.flatten(0, 1)).view(*k_cache.shape[:2], -1)
+        q_fp8, q_scale = quantize_index_queries(q)
+        for name, query, scale in (("same fp8", q_fp8, q_scale), ("same fp8 keys", q, None)):
+            logits = indexer_scores_ref(query, weights, packed, block_tables, seq_lens, starts, width, q_scale=scale)
+            chosen[name].append(select_topk(logits, top_k))
+    rows = torch.arange(len(window)) >= top_k
+
+    def shares(name: str) -> str:
+        out = []
+        for reference, selection in zip(chosen["auto"], chosen[name]):
+            reference = selection_mask(reference, len(window))[rows]
+            out.append((reference & selection_mask(selection, len(window))[rows]).sum().item() / reference.sum().item())
+        return " ".join(f"{100 * share:.2f}%" for share in out)
+
+    print(f"fp8 indexer top-{top_k} agreement with the float path, {int(rows.sum())} choosing rows of "
+          f"{len(window)} tokens, per layer:", flush=True)
+    for label, name in (("end to end, fp8 keys + queries", "fp8"), ("same inputs, fp8 keys + queries", "same fp8"),
+                        ("same inputs, fp8 keys, float queries", "same fp8 keys")):
+        print(f"  {label + ':':<38}{shares(name)}", flush=True)
 
 
 def transformers_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32) -> None:

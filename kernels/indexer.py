@@ -13,7 +13,8 @@ The key cache is either in a float dtype (``[num_blocks, block_size, D]``) or in
 fp8 format (``inference/model.py``: ``act_quant(k, 128, scale_fmt="ue8m0")`` into ``k_cache`` +
 ``k_scale_cache``), packed per slot as one ``uint8`` row (:func:`quantize_index_keys`): ``D``
 float8_e4m3fn values, then one float32 scale per group of 128 dims (a power of two, so
-``value * scale`` is exact). Only keys are quantized; queries stay in the model dtype.
+``value * scale`` is exact). With an fp8 key cache the queries are quantized the same way, one
+scale per head and group (``act_quant(q)``), and scored fp8 x fp8 (``fp8_index``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardserve.kernels.paged_attention import token_seq_and_pos
 
 FP8_GROUP = 128               # dims sharing one scale (DeepSeek-V3.2 act_quant block size)
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-4        # act_quant's floor on a group's absolute maximum
 
 
 def fp8_row_bytes(head_dim: int) -> int:
@@ -39,11 +41,14 @@ def fp8_row_bytes(head_dim: int) -> int:
 
 
 def fp8_group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-128-dim e4m3 quantization with power-of-two scales (DeepSeek-V3.2 ``act_quant``,
-    ``scale_fmt="ue8m0"``).
+    """Per-128-dim e4m3 quantization with power-of-two scales, bit for bit DeepSeek-V3.2's
+    ``inference/kernel.py: act_quant(x, 128, scale_fmt="ue8m0")``.
 
-    Per group of up to 128 dims of the last axis: ``scale = 2**ceil(log2(amax / 448))`` (1e-30
-    floor on ``amax``), values ``(x / scale).to(float8_e4m3fn)``; ``values * scale`` is exact.
+    Per group of up to 128 dims of the last axis: ``amax = max(|x|)`` floored at 1e-4, ``scale =
+    2**ceil(log2(amax * float32(1/448)))`` taken from the float32 bits as ``fast_round_scale``
+    does (the exponent, plus one where the mantissa is non-zero; a float ``log2`` of a value just
+    above a power of two can round down to it and halve the scale), values ``clamp(x / scale,
+    +-448)`` rounded to nearest-even e4m3; ``values * scale`` is exact.
 
     Args:
         x: ``[..., D]`` float.
@@ -55,8 +60,10 @@ def fp8_group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = -(-head_dim // FP8_GROUP)
     padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_GROUP - head_dim))
     padded = padded.view(*x.shape[:-1], groups, FP8_GROUP)
-    amax = padded.abs().amax(-1).clamp(min=1e-30)                                   # [..., G]
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    ratio = padded.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR) * torch.tensor(1 / FP8_MAX)     # [..., G] float32
+    bits = ratio.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()                        # biased ceil(log2)
+    scale = (exponent << 23).view(torch.float32)
     values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values.flatten(-2)[..., :head_dim], scale
 

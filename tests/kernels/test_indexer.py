@@ -120,16 +120,38 @@ def test_indexer_reference_matches_per_token_loop():
 
 # ---- fp8 key cache (DeepSeek-V3.2 format: e4m3 values + a power-of-two float32 scale per 128 dims)
 
+def _ue8m0_scale(amax: float) -> float:
+    """DeepSeek-V3.2 ``act_quant(scale_fmt="ue8m0")``: ``amax`` floored at 1e-4, times float32
+    ``1/448`` in float32, rounded up to a power of two (exactly, with ``math.frexp``)."""
+    ratio = float(torch.tensor(max(amax, 1e-4), dtype=torch.float32) * torch.tensor(1 / 448.0))
+    mantissa, exponent = math.frexp(ratio)                       # ratio = mantissa * 2**exponent, [0.5, 1)
+    return 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+
+
 def _fp8_oracle(row: torch.Tensor) -> torch.Tensor:
-    """One key row quantized and dequantized group by group with plain Python scalars (ue8m0 scale:
-    the smallest power of two with amax / scale <= 448)."""
+    """One key row quantized and dequantized group by group with plain Python scalars."""
     out = torch.empty(row.shape[0], dtype=torch.float32)
     for start in range(0, row.shape[0], 128):
         group = row[start:start + 128].float()
-        amax = max(float(group.abs().max()), 1e-30)
-        scale = 2.0 ** math.ceil(math.log2(amax / 448.0))
-        out[start:start + 128] = (group / scale).to(torch.float8_e4m3fn).float() * scale
+        scale = _ue8m0_scale(float(group.abs().max()))
+        out[start:start + 128] = (group / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
     return out
+
+
+def test_fp8_scales_round_up_to_a_power_of_two_exactly():
+    """Group maxima at, just above and just below ``448 * 2**e``, and under act_quant's 1e-4 floor:
+    the scale is DeepSeek's ``fast_round_scale`` (a float ``log2`` of ``(1 + 2**-23) * 2**e`` rounds
+    to ``e`` and halved the scale before)."""
+    maxima = [448.0 * 2.0 ** e * m for e in range(-20, 10) for m in (1.0, 1 + 2 ** -23, 1 + 2 ** -22, 1 - 2 ** -24)]
+    maxima += [1e-4, 5e-5, 1e-7, 0.0]
+    rows = torch.zeros(len(maxima), 32)
+    rows[:, 3] = torch.tensor(maxima)
+    rows[:, 4] = -0.3 * rows[:, 3]
+    values, scale = quantize_index_queries(rows[:, None, :])
+    assert scale[:, 0, 0].tolist() == [_ue8m0_scale(float(m)) for m in rows[:, 3]]
+    peak = values.float().abs().amax(-1)[:, 0]
+    assert ((peak >= 224) & (peak <= 448))[rows[:, 3] >= 1e-4].all()         # the top binade of e4m3 is used
+    assert torch.equal(dequantize_index_keys(quantize_index_keys(rows), 32), torch.stack([_fp8_oracle(r) for r in rows]))
 
 
 @pytest.mark.parametrize("head_dim", [32, 128, 200])

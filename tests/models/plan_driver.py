@@ -7,6 +7,8 @@ bug shows up as wrong logits instead of hiding behind contiguous block ids).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from shardserve.workers.forward_context import forward_context
 from shardserve.workers.messages import NewRequestData, SamplingOptions, ScheduledRequest, StepPlan
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import ModelFiles, load_config
+from shardserve.workers.models import dsa_indexer
 
 
 def make_runner(path: str | Path, block_size: int = 4, num_blocks: int = 96, tensor_split=None,
@@ -97,3 +100,21 @@ class PlanDriver:
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits ``[len(token_ids), vocab]`` float32 for one sequence (no cache)."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@contextmanager
+def recorded_indexer_calls() -> Iterator[list[tuple[tuple, dict]]]:
+    """Within the block, record the ``(args, kwargs)`` of every :func:`kernels.indexer_topk` call
+    the DSA indexers make, in call order (layer by layer; the call still runs)."""
+    calls: list[tuple[tuple, dict]] = []
+    original = dsa_indexer.indexer_topk
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    dsa_indexer.indexer_topk = record
+    try:
+        yield calls
+    finally:
+        dsa_indexer.indexer_topk = original

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from shardserve.kernels.indexer import quantize_index_keys
-from plan_driver import PlanDriver, make_runner
+from shardserve.kernels.indexer import indexer_scores_ref, quantize_index_keys, select_topk
+from plan_driver import PlanDriver, make_runner, recorded_indexer_calls
 from shardserve.workers.models.dsa_indexer import selection_mask
 
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]
@@ -58,28 +58,60 @@ def test_fp8_cache_holds_the_quantized_keys(tiny_model, arch):
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
 def test_fp8_keys_and_queries_keep_the_selection(tiny_model, arch):
-    """Top-k sets with fp8 keys and queries vs the float32 reference on a random tiny checkpoint:
-    layer 0 (whose inputs do not depend on any selection), a 128-token prompt, top-k 32.
+    """Top-k sets with fp8 keys and queries vs the float32 path on a random tiny checkpoint.
 
-    Measured agreement of the selected keys: 98.3% (DeepSeek-V3.2) and 98.2% (GLM-5); with top-k
-    8 of 64 keys 96-98%. 99% is out of reach on random weights: the e4m3 rounding of q and k (up
-    to 2^-4 relative per value) moves scores by ~4% of a row's spread, and random-weight scores
-    are dense near the k-th; the same quantization of Gaussian q/k gives 95-98.5% (trained
-    indexers have peaked scores: see the clear-margin test below and ``bench_demo.py``).
+    How it is measured: layer 0 (its inputs do not depend on any selection, so both paths score
+    the same q and k), 4 random 128-token prompts packed in one step, top-k 32, over the rows that
+    choose: positions >= 32, 384 rows picking 32 of 33..128 keys (the rows that keep every key
+    agree trivially and are left out). The float path has no tie at any of these rows' k-th score
+    (16 indexer heads: asserted), so its top-k set is well defined. Agreement is the share of the
+    float path's keys that the other path also selects. Measured:
+
+        =============  ==================  ===================================
+        checkpoint     fp8 keys + queries  fp8 keys, float queries (the bound)
+        =============  ==================  ===================================
+        DeepSeek-V3.2  98.1%               98.5%
+        GLM-5          98.0%               98.6%
+        =============  ==================  ===================================
+
+    The 99% of issue 15 is out of reach with DeepSeek-V3.2's format itself, which the fp8 path
+    follows bit for bit (Hadamard rotation, ``act_quant`` ue8m0 scales per 128 dims, fp32 scoring):
+    e4m3 keeps 3 mantissa bits (~2.6% RMS relative error per value), which moves a score by a few
+    percent of the spread of a row's scores, and random-weight scores are dense around the k-th.
+    The fp8 keys alone (what the cache stores, whatever the queries) already lose 1.4-1.5%; the
+    rotation changes little here (random q and k have no outliers to spread; +0.05% measured).
+    (Rounding q and k to bf16 instead loses about 0.3%.) On the trained demo model
+    ``bench_demo.py`` measures 96.0-98.2% per layer at top-64 of 2048 keys (fp8 keys alone
+    96.7-98.5%); where margins are clear the selections are exact (the test below).
     """
-    prompt = torch.randint(2, 128, (128,), generator=torch.Generator().manual_seed(2)).tolist()
+    top_k, width = 32, 128
+    prompts = {f"p{i}": torch.randint(2, 128, (width,), generator=torch.Generator().manual_seed(2 + i)).tolist()
+               for i in range(4)}
     chosen = {}
     for cache_dtype in ("auto", "fp8"):
-        runner = make_runner(tiny_model(arch).path, indexer_cache_dtype=cache_dtype, dsa_top_k=32, num_blocks=64)
+        runner = make_runner(tiny_model(arch).path, indexer_cache_dtype=cache_dtype, dsa_top_k=top_k, num_blocks=160)
         layer = runner.model.attention_layers()[0]
         layer.record_topk = True
-        PlanDriver(runner).step({"a": prompt})
-        chosen[cache_dtype] = selection_mask(layer.last_topk, len(prompt))
-    reference, fp8 = chosen["auto"], chosen["fp8"]
-    assert torch.equal(reference.sum(-1), fp8.sum(-1))                   # same number of keys per row
-    agreement = (reference & fp8).sum().item() / reference.sum().item()
-    print(f"{arch}: fp8 top-k agreement {agreement:.4f}")
-    assert agreement >= 0.975, agreement
+        with recorded_indexer_calls() as calls:
+            PlanDriver(runner).step(prompts)
+        chosen[cache_dtype] = layer.last_topk
+        if cache_dtype == "auto":
+            (q, weights, k_cache, block_tables, seq_lens, _, query_start_loc, max_seq_len), _ = calls[0]   # layer 0
+    logits = indexer_scores_ref(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len)
+    assert torch.equal(select_topk(logits, top_k), chosen["auto"])
+    packed = quantize_index_keys(k_cache.flatten(0, 1)).view(*k_cache.shape[:2], -1)
+    chosen["fp8 keys"] = select_topk(indexer_scores_ref(q, weights, packed, block_tables, seq_lens, query_start_loc,
+                                                        max_seq_len), top_k)
+    rows = torch.arange(width).repeat(len(prompts)) >= top_k          # the rows that choose
+    kth = logits[rows].gather(-1, chosen["auto"][rows].long()).amin(-1, keepdim=True)
+    assert ((logits[rows] == kth).sum(-1) == 1).all()                  # no tie at the k-th score
+    reference = selection_mask(chosen["auto"], width)[rows]
+    assert torch.equal(reference.sum(-1), selection_mask(chosen["fp8"], width)[rows].sum(-1))    # k keys each
+    share = {name: (reference & selection_mask(chosen[name], width)[rows]).sum().item() / reference.sum().item()
+             for name in ("fp8", "fp8 keys")}
+    print(f"{arch}: top-{top_k} agreement with the float path over {int(rows.sum())} choosing rows: "
+          f"fp8 keys + queries {share['fp8']:.4f}, fp8 keys only {share['fp8 keys']:.4f}")
+    assert share["fp8"] >= 0.978 and share["fp8 keys"] >= 0.983, share            # measured: see the table
 
 
 def test_fp8_greedy_matches_transformers_where_the_margin_is_clear(tiny_model, tmp_path):
