@@ -149,15 +149,32 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         q_pad = query.new_zeros(seq_lens.shape[0], max_query_len, num_heads, head_dim)
         q_pad[layout.seq_of_token, layout.row_of_token] = query
-    keys = _cast(k_cache.view(-1, *k_cache.shape[2:])[layout.slots], query.dtype)      # [B, S, Hkv, D]
-    values = _cast(v_cache.view(-1, *v_cache.shape[2:])[layout.slots], query.dtype)
     if query.dtype == torch.float32:
+        keys = k_cache.view(-1, *k_cache.shape[2:])[layout.slots]                   # [B, S, Hkv, D]
+        values = v_cache.view(-1, *v_cache.shape[2:])[layout.slots]
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=layout.mask, scale=scale,
-            enable_gqa=num_heads != k_cache.shape[2]).transpose(1, 2)
+            q_pad.transpose(1, 2), _cast(keys, query.dtype).transpose(1, 2), _cast(values, query.dtype).transpose(1, 2),
+            attn_mask=layout.mask, scale=scale, enable_gqa=num_heads != k_cache.shape[2]).transpose(1, 2)
     else:
+        rows = _head_rows(layout, k_cache.shape[2], step_cache)                   # [B, Hkv, S]
+        keys = _cast(k_cache.view(-1, k_cache.shape[-1])[rows], query.dtype)         # [B, Hkv, S, D]
+        values = _cast(v_cache.view(-1, v_cache.shape[-1])[rows], query.dtype)
         out = grouped_attention(q_pad, keys, values, layout.mask, scale, layout.blocked)
     return out[:, 0] if decode else out[layout.seq_of_token, layout.row_of_token]
+
+
+def _head_rows(layout: PaddedLayout, num_kv_heads: int, step_cache: dict | None) -> torch.Tensor:
+    """``[B, Hkv, S]`` rows of a cache viewed as ``[slots * Hkv, D]``: gathering them yields each KV
+    head's keys contiguous (``[B, Hkv, S, D]``), the layout both matmuls of :func:`grouped_attention`
+    read in place. Built once per step (kept in ``step_cache``)."""
+    key = ("head_rows", num_kv_heads)
+    rows = None if step_cache is None else step_cache.get(key)
+    if rows is None:
+        heads = torch.arange(num_kv_heads, device=layout.slots.device)
+        rows = layout.slots[:, None, :] * num_kv_heads + heads[None, :, None]
+        if step_cache is not None:
+            step_cache[key] = rows
+    return rows
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -167,22 +184,22 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
     Args:
         query: ``[B, Q, H, D]``; query head ``h`` reads key head ``h // (H / Hkv)`` (HF ``repeat_kv``).
-        keys, values: ``[B, S, Hkv, D]``. mask: ``[B, 1, Q, S]`` bool, True = attend.
+        keys, values: ``[B, Hkv, S, D]`` (head-major). mask: ``[B, 1, Q, S]`` bool, True = attend.
         blocked: ``~mask[:, :, None]`` when the caller has it (one step's layers share it).
 
     Returns:
         ``[B, Q, H, D]`` in ``query.dtype``.
     """
     batch, num_q, num_heads, head_dim = query.shape
-    num_kv = keys.shape[2]
+    num_kv = keys.shape[1]
     group = num_heads // num_kv
     q = query.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
         batch, num_kv, group * num_q, head_dim)                                     # [B, Hkv, G*Q, D]
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale              # [B, Hkv, G*Q, S]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale                # [B, Hkv, G*Q, S]
     blocked = ~mask[:, :, None] if blocked is None else blocked
     scores = scores.view(batch, num_kv, group, num_q, -1).masked_fill_(blocked, float("-inf"))
     probs = scores.softmax(dim=-1).to(query.dtype).view(batch, num_kv, group * num_q, -1)
-    out = torch.matmul(probs, values.transpose(1, 2))                               # [B, Hkv, G*Q, D]
+    out = torch.matmul(probs, values)                                               # [B, Hkv, G*Q, D]
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
         batch, num_q, num_heads, head_dim)
 
