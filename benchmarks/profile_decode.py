@@ -4,7 +4,8 @@ Runs the single-process engine on one request, times ``--steps`` decode steps wi
 profiler (wall ms per step, and the share inside ``ModelRunner.execute``), then profiles as many
 again and groups the ATen ops' self time: packed matmuls, float matmuls, attention, the rest
 (norms, RoPE, cache writes, indexing, casts). Python and dispatch overhead is the step time
-that no op accounts for. Run with ``make bench``; not a test.
+that no op accounts for; then the ATen op calls per step (machine-independent, unlike the times).
+Run with ``make bench``; not a test.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def main() -> None:
           f"{getattr(llm.runner, 'dtype', 'float32')}, {torch.get_num_threads()} threads")
     print(f"profiled ({args.steps} steps, per step): ATen ops {total:.2f} ms: "
           + ", ".join(f"{name} {ms:.2f}" for name, ms in grouped.items()))
+    calls = {e.key: e.count / args.steps for e in events if e.key.startswith("aten::")}
+    print(f"ATen op calls per step (nested ones included; the same on any machine): {sum(calls.values()):.0f}, of "
+          "which " + ", ".join(f"{name} {calls.get('aten::' + name, 0):.0f}" for name in ("copy_", "_to_copy", "index")))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
 

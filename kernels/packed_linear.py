@@ -92,7 +92,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor
     """
     if x.device.type != "cpu":
         raise ValueError(f"int4_linear runs on CPU tensors only, got {x.device}")
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scale_zeros.dtype).contiguous(), packed, group_size,
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(_as_input(x, scale_zeros.dtype), packed, group_size,
                                                       scale_zeros)
 
 
@@ -117,4 +117,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     """
     if x.device.type != "cpu":
         raise ValueError(f"int8_linear runs on CPU tensors only, got {x.device}")
-    return torch.ops.aten._weight_int8pack_mm(x.to(scales.dtype).contiguous(), qweight, scales)
+    return torch.ops.aten._weight_int8pack_mm(_as_input(x, scales.dtype), qweight, scales)
+
+
+def _as_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` contiguous in ``dtype``; no op at all when it already is (the common case: two fewer
+    dispatcher calls per matmul, 240 per SmolLM2 decode step)."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    return x if x.is_contiguous() else x.contiguous()

@@ -8,6 +8,37 @@ import torch
 from shardserve.kernels.dispatch import use_triton
 
 
+def rotary_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token factors :func:`rotate` multiplies by, in ``dtype``: they depend only on the
+    positions, so a model computes them once per step and shares them across its layers.
+
+    Args:
+        cos, sin: ``[num_tokens, rot_dim // 2]`` float32 (one angle per pair).
+        dtype: dtype of the tensors to rotate (HF does the math in it).
+
+    Returns:
+        ``(cos, sin)``, each ``[num_tokens, 1, rot_dim // 2]`` (interleaved) or
+        ``[num_tokens, 1, rot_dim]`` (half-split: each half repeated, HF ``emb = cat(freqs, freqs)``).
+    """
+    cos = cos[:, None, :].to(dtype)
+    sin = sin[:, None, :].to(dtype)
+    if interleaved:
+        return cos, sin
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the last dim of ``x [num_tokens, num_heads, rot_dim]`` by factors from
+    :func:`rotary_factors`; returns a new tensor of ``x``'s shape and dtype."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the last dim of ``x`` by per-token angles.
 
@@ -19,16 +50,7 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     Returns:
         a new tensor of ``x``'s shape and dtype (math in ``x``'s dtype as HF does).
     """
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos2 = torch.cat((cos, cos), dim=-1)
-    sin2 = torch.cat((sin, sin), dim=-1)
-    return x * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
+    return rotate(x, *rotary_factors(cos, sin, x.dtype, interleaved), interleaved)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

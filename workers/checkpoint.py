@@ -218,6 +218,35 @@ _PLAIN_GGUF_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64,
                      "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
+class GGUFTensor:
+    """Where one tensor of a GGUF file lies, without holding the file open.
+
+    Args:
+        path: the ``.gguf`` file.
+        tensor: the ``gguf.GGUFReader`` entry (only its type, shape and offset are kept).
+
+    Attributes:
+        name / tensor_type / n_elements: as in ``gguf.ReaderTensor``.
+        shape: GGUF dims, fastest first. torch_shape: the reverse (row-major torch shape).
+    """
+
+    __slots__ = ("path", "name", "tensor_type", "shape", "torch_shape", "n_elements", "_offset", "_dtype",
+                 "_array_shape")
+
+    def __init__(self, path: Path, tensor) -> None:
+        self.path, self.name, self.tensor_type = path, tensor.name, tensor.tensor_type
+        self.shape = tuple(int(d) for d in tensor.shape.tolist())
+        self.torch_shape = tuple(reversed(self.shape))
+        self.n_elements = int(tensor.n_elements)
+        self._offset, self._dtype, self._array_shape = tensor.data_offset, tensor.data.dtype, tensor.data.shape
+
+    def data(self) -> np.ndarray:
+        """The tensor as stored, in ``GGUFReader``'s layout (blocks as uint8 rows for quantized
+        types): a read-only memory map of this tensor alone, unmapped once no array refers to it,
+        so a loaded rank keeps none of the file's pages."""
+        return np.memmap(self.path, dtype=self._dtype, mode="r", offset=self._offset, shape=self._array_shape)
+
+
 class GGUFCheckpoint(Checkpoint):
     """A GGUF file read with the ``gguf`` package; tensors are dequantized to float32 on read.
 
@@ -241,20 +270,28 @@ class GGUFCheckpoint(Checkpoint):
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: missing file")
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
+            reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot parse GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from exc
-        self.arch = self.metadata("general.architecture")
+
+        def metadata(key: str, default=None):
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        self.arch = metadata("general.architecture")
         if self.arch not in GGUF_TO_HF:
             raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported (known: {sorted(GGUF_TO_HF)})")
-        self.num_heads = num_heads or self.metadata(f"{self.arch}.attention.head_count")
-        self.num_kv_heads = num_kv_heads or self.metadata(f"{self.arch}.attention.head_count_kv", self.num_heads)
-        self._tensors = {}
-        for tensor in self._reader.tensors:
+        self.num_heads = num_heads or metadata(f"{self.arch}.attention.head_count")
+        self.num_kv_heads = num_kv_heads or metadata(f"{self.arch}.attention.head_count_kv", self.num_heads)
+        self._tensors: dict[str, GGUFTensor] = {}
+        for tensor in reader.tensors:
             hf_name = gguf_to_hf_name(self.arch, tensor.name)
             if hf_name is not None:
-                self._tensors[hf_name] = tensor
+                self._tensors[hf_name] = GGUFTensor(self.path, tensor)
         self.tied_embeddings = "lm_head.weight" not in self._tensors
+        # The reader is dropped here: its metadata (the tokenizer's vocabulary and merges, one numpy
+        # array per string) took 140 MiB on SmolLM2, and its memory map of the whole file kept every
+        # page a load touched resident (93 MiB) for the life of the rank.
 
     def matrix_types(self) -> dict[str, int]:
         """Elements of the file's 2-D weights per GGUF type name (``{"Q4_1": 106168320, ...}``)."""
@@ -264,11 +301,6 @@ class GGUFCheckpoint(Checkpoint):
                 counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + int(tensor.n_elements)
         return counts
 
-    def metadata(self, key: str, default=None):
-        """One metadata value (scalar, string or list), or ``default`` when absent."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
-
     def names(self) -> list[str]:
         return list(self._tensors)
 
@@ -277,8 +309,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def get(self, name: str) -> LazyTensor:
         tensor = self._tensors[name]
-        # GGUF lists dims fastest-first; torch shape is the reverse.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tensor.torch_shape
         cache: dict[str, torch.Tensor] = {}
 
         def read(index: tuple) -> torch.Tensor:
@@ -302,7 +333,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def _integer_form(self, name: str, tensor, shape: tuple[int, ...]):
         try:
-            weight = decode_gguf(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+            weight = decode_gguf(tensor.data(), tensor.tensor_type.name, shape)
         except (ValueError, IndexError) as exc:
             raise CheckpointError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc}); is the file truncated?") from exc
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
@@ -316,9 +347,9 @@ class GGUFCheckpoint(Checkpoint):
         qtype = tensor.tensor_type
         try:
             if qtype.name in _PLAIN_GGUF_TYPES:
-                array = np.asarray(tensor.data).view(_PLAIN_GGUF_TYPES[qtype.name]).astype(np.float32)
+                array = tensor.data().view(_PLAIN_GGUF_TYPES[qtype.name]).astype(np.float32)
             else:
-                array = quants.dequantize(np.asarray(tensor.data), qtype)
+                array = quants.dequantize(tensor.data(), qtype)
         except NotImplementedError as exc:
             raise CheckpointError(
                 f"{self.path}: tensor {tensor.name!r} ({name}) uses quantization type {qtype.name}, "
@@ -337,7 +368,7 @@ def _stored_bytes(tensor) -> torch.Tensor:
     """A GGUF tensor's bytes as stored (uint8, a view of the read-only memory map: only hashed)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # torch warns that the array is not writable
-        return torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(-1))
+        return torch.from_numpy(tensor.data().view(np.uint8).reshape(-1))
 
 
 def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -224,3 +224,18 @@ def cpu_cache_plan(cache_bytes: int, weights: int, device: str = "cpu") -> Memor
             f"the model does not fit in host memory: weights {gib(weights)} + KV cache {gib(cache_bytes)} "
             f"exceed the {gib(available)} available; lower --kv-cache-gib or use more tensor-parallel ranks")
     return plan
+
+
+CPU_KERNEL_CACHE_ENTRIES = 32
+
+
+def bound_cpu_kernel_caches(entries: int = CPU_KERNEL_CACHE_ENTRIES) -> None:
+    """Cap the shape-keyed caches of torch's oneDNN CPU kernels at ``entries`` (unless the user set
+    them): oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's computation
+    cache (``LRU_CACHE_CAPACITY``) keep up to 1024 entries each by default, and the bf16 attention
+    matmuls take a new shape every decode step (the context grows), so a CPU rank grew by about
+    1 MiB per step at 16 sequences (SmolLM2) until both were full. One step's layers share their
+    shapes, so a few dozen entries keep every hit that matters. Both are read when the first
+    oneDNN kernel runs: call this before that (``ModelRunner`` does, for CPU ranks)."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(entries))

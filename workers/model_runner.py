@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.workers.checkpoint import GGUFCheckpoint
-from shardserve.workers.device import (DeviceConfigError, MemoryPlan, check_weights_fit, cpu_cache_plan, gib,
-                                       resolve_device, resolve_dtype)
+from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_kernel_caches, check_weights_fit,
+                                       cpu_cache_plan, gib, resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
@@ -154,6 +154,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        else:
+            bound_cpu_kernel_caches()
         self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
         self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
                                                      config.quantization)

@@ -162,3 +162,24 @@ def test_safetensors_truncated_and_missing_shard(tmp_path):
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"model-00001-of-00002\.safetensors: missing file"):
         SafetensorsCheckpoint(sharded)
+
+
+def test_gguf_keeps_no_file_mapped_after_loading(tmp_path):
+    """A loaded rank holds none of the GGUF file's pages: the reader (and its map of the whole
+    file) is dropped when the checkpoint opens, and each tensor is mapped only while it is read
+    (on SmolLM2 the kept reader held 93 MiB of file pages and 140 MiB of metadata objects)."""
+    import gc
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_llama_tensors())
+
+    def mapped() -> bool:
+        return str(path) in open("/proc/self/maps").read()
+
+    ckpt = GGUFCheckpoint(path)
+    assert not mapped()
+    model, _ = build_model(LlamaConfig(**TINY), ckpt, progress=False)
+    gc.collect()
+    assert not mapped()
+    expected = torch.from_numpy(tiny_llama_tensors()["blk.0.ffn_up.weight"])
+    torch.testing.assert_close(model.model.layers[0].mlp.gate_up_proj.weight[TINY["intermediate_size"]:], expected,
+                               rtol=0, atol=0)

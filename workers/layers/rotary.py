@@ -39,12 +39,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.interleaved = interleaved
         self._angles: tuple[torch.Tensor, ...] = ()   # (positions, cos, sin) of the last call
+        self._factors: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # rotary_factors of _angles
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``x [T, heads, rot_dim]`` by the angles of ``positions [T]``."""
-        from shardserve.kernels import apply_rotary
+        from shardserve.kernels import apply_rotary, use_triton
+        from shardserve.kernels.rotary import rotary_factors, rotate
 
         if not self._angles or self._angles[0] is not positions:   # once per step, not once per layer
             self._angles = (positions, self.cos[positions], self.sin[positions])
+            self._factors = {}
         _, cos, sin = self._angles
-        return tuple(apply_rotary(x, cos, sin, self.interleaved) for x in xs)
+        out = []
+        for x in xs:
+            if use_triton(x):
+                out.append(apply_rotary(x, cos, sin, self.interleaved))
+                continue
+            factors = self._factors.get(x.dtype)   # the torch path's casts and concatenations, once per step
+            if factors is None:
+                factors = self._factors[x.dtype] = rotary_factors(cos, sin, x.dtype, self.interleaved)
+            out.append(rotate(x, *factors, self.interleaved))
+        return tuple(out)
