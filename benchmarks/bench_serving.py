@@ -380,8 +380,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
-    parser.add_argument("--shardserve-args", default="--dispatch compiled",
-                        help="extra flags for `shardserve serve` (quoted)")
+    parser.add_argument("--shardserve-args", default="", help="extra flags for `shardserve serve` (quoted)")
+    parser.add_argument("--dispatch", default="calls,compiled",
+                        help="`--dispatch` of TP=1 and of TP=2 (each one's faster on a 2-core machine at 1 client)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="shardserve KV cache per rank")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default="/tmp", help="server logs go here")
@@ -406,9 +407,10 @@ def main() -> None:
     print(f"{gguf.name}, streaming completions of {args.max_tokens} tokens, {os.cpu_count()} CPUs "
           f"(numbers from a shared machine are noisy)\n{HEADER}", flush=True)
     results: list[RunResult] = []
-    extra = args.shardserve_args.split()
+    dispatch = dict(zip((1, 2), args.dispatch.split(",")))
     for tp in (1, 2):
         if f"tp{tp}" in servers:
+            extra = ["--dispatch", dispatch[tp], *args.shardserve_args.split()]
             measure_server(shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_tp{tp}.log", extra,
                                              args.kv_cache_gib, args.api_key), concurrencies, args, results)
     if binary is not None:

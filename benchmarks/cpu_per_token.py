@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
-    parser.add_argument("--shardserve-args", default="--dispatch compiled", help="extra `shardserve serve` flags")
+    parser.add_argument("--shardserve-args", default="", help="extra `shardserve serve` flags")
+    parser.add_argument("--dispatch", default="calls,compiled", help="`--dispatch` of TP=1 and of TP=2")
     parser.add_argument("--log-dir", default="/tmp")
     args = parser.parse_args()
     from llama_server import llama_server_path
@@ -79,10 +80,12 @@ def main() -> None:
     servers = args.servers.split(",")
     print(f"{gguf.name}: 1 client, {args.num_requests} streamed completions of {args.max_tokens} tokens, "
           f"{os.cpu_count()} CPUs (noisy on a shared machine)")
+    dispatch = dict(zip((1, 2), args.dispatch.split(",")))
     for tp in (1, 2):   # one server at a time: each has the machine to itself
         if f"tp{tp}" in servers:
+            extra = ["--dispatch", dispatch[tp], *args.shardserve_args.split()]
             _run(bs.shardserve_server(gguf, tp, bs.free_port(), Path(args.log_dir) / f"cpu_per_token_tp{tp}.log",
-                                      args.shardserve_args.split(), 0.25), args)
+                                      extra, 0.25), args)
     if "llama" in servers:
         _run(bs.llama_server(llama_server_path(), gguf, bs.free_port(), Path(args.log_dir) / "cpu_per_token_llama.log",
                              1, 4096), args)

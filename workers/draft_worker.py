@@ -30,6 +30,7 @@ from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.models.mtp import build_mtp_model
 from shardserve.workers.sampler import draft_sample
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, device_batch
+from shardserve.workers.torch_thread import on_torch_thread
 from shardserve.workers.weight_reload import ReloadableRank, open_recorded
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class DraftWorker(ReloadableRank):
         self.generator = torch.Generator()
         self.stager = DeviceStager(self.device)
 
+    @on_torch_thread
     def load(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int,
              dtype: str = "auto", seed: int = 0, device: str = "auto") -> dict:
         """Load the MTP weights on ``device`` (resolved as a shard worker's, ``workers/device.py``)
@@ -128,6 +130,7 @@ class DraftWorker(ReloadableRank):
         return tokens
 
     @torch.inference_mode()
+    @on_torch_thread
     def propose(self, batch: DraftBatch) -> DraftResult:
         """Write the batch's MTP cache entries and propose drafts (see the module docstring).
 

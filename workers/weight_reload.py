@@ -35,6 +35,7 @@ import xxhash
 from torch import nn
 
 from shardserve.workers.checkpoint import Checkpoint, LazyTensor, open_checkpoint
+from shardserve.workers.torch_thread import on_torch_thread
 
 ReadKey = tuple[str, str]   # (checkpoint tensor name, repr of the index this rank read)
 
@@ -261,6 +262,7 @@ class ReloadableRank:
         return {"pid": os.getpid(), "weight_loads": self.weight_loads,
                 "fingerprint": holder.weight_record.fingerprint() if holder is not None else None}
 
+    @on_torch_thread
     def reset_state(self) -> None:
         """Forget every request and zero the caches (after a peer was replaced or the weights changed);
         a hybrid model's recurrent-state pool is zeroed and forgets every slot's owner (same tensors)."""
@@ -270,6 +272,7 @@ class ReloadableRank:
         if getattr(holder, "state_cache", None) is not None:
             holder.state_cache.reset()
 
+    @on_torch_thread
     def stage_reload(self, files) -> dict:
         """Read the checkpoint ``files`` and keep what changed (see :func:`stage_weights`).
 
@@ -286,6 +289,7 @@ class ReloadableRank:
         self._staged = stage_weights(holder.model, holder.checkpoint, holder.hf_config, holder.weight_record)
         return {"changed": sorted(self._staged.changed), "read": sorted(self._staged.read)}
 
+    @on_torch_thread
     def commit_reload(self) -> int:
         """Apply the staged tensors in place, keep their digests, reset the caches; returns bytes copied."""
         staged, self._staged = self._staged, None

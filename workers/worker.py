@@ -16,6 +16,7 @@ from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
 from shardserve.workers.messages import StepPlan, StepResult
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.torch_thread import on_torch_thread
 from shardserve.workers.weight_reload import ReloadableRank
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ShardWorker(ReloadableRank):
         return nccl_unique_id()
 
     # -- start-up -----------------------------------------------------------------------------
+    @on_torch_thread
     def init_group(self, kind: str, info: dict) -> None:
         """Join the TP group. ``info``: ``init_method`` (gloo), ``name``/``max_floats`` (shm),
         ``unique_id`` (nccl)."""
@@ -76,6 +78,7 @@ class ShardWorker(ReloadableRank):
             raise ValueError(f"unknown collective backend {kind!r}")
         set_tp_group(self.group)
 
+    @on_torch_thread
     def load(self, files: ModelFiles, hf_config, config: RunnerConfig) -> dict:
         """Build this rank's model shard (only its slice of each weight).
 
@@ -98,12 +101,14 @@ class ShardWorker(ReloadableRank):
                 "pid": os.getpid(), "memory": self.runner.memory_info(),
                 "fingerprint": record.fingerprint(), "shapes": dict(record.shapes)}
 
+    @on_torch_thread
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate the paged caches (and capture the decode graphs); returns the caches' bytes on this rank."""
         self.runner.allocate_kv_cache(num_blocks)
         return self.runner.cache_bytes
 
     # -- every step ---------------------------------------------------------------------------
+    @on_torch_thread
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 returns the samples (and logits when the plan asks) with its
         time inside this call and inside collectives."""
@@ -117,6 +122,7 @@ class ShardWorker(ReloadableRank):
     def _weights(self) -> ModelRunner:
         return self.runner
 
+    @on_torch_thread
     def rejoin(self) -> None:
         """A surviving rank after a peer was replaced and the group joined a new communicator:
         forget every request, zero the caches, and capture the decode graphs again (they hold the
@@ -124,6 +130,7 @@ class ShardWorker(ReloadableRank):
         self.reset_state()
         self.runner.capture_graphs()
 
+    @on_torch_thread
     def leave_group(self) -> None:
         """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins
         the new one)."""
