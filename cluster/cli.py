@@ -590,10 +590,20 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardserve")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``shardserve`` argument parser (every flag has help naming its default and unit)."""
     parser = _OneLineErrors(prog="shardserve", description="Ray-based tensor-parallel LLM serving",
                             formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)

@@ -182,3 +182,12 @@ def test_manifest_refuses_values_kubernetes_would(flags, capsys):
         cli.main(["manifest", "--image", "shardserve:test", *flags])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and flags[0] in err, err
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"shardserve {version('shardserve')}"
