@@ -130,10 +130,10 @@ class ShardWorker(ReloadableRank):
         self.reset_state()
         self.runner.capture_graphs()
 
-    @on_torch_thread
     def leave_group(self) -> None:
         """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins
-        the new one)."""
+        the new one). Not on the torch thread: that one may still be inside a collective with the
+        dead peer."""
         if self.group is not None:
             try:
                 self.group.close()
