@@ -7,7 +7,7 @@ and the one in-process tests drive, so tests see exactly what is served.
 The guard (:class:`FrontGuard`, a pure ASGI middleware) sits outside routing, so it covers every
 route, the ones added later included (admin routes, aliases), and paths that match none:
 
-1. API keys: every request but ``GET /health`` carries ``Authorization: Bearer KEY``, else 401
+1. API keys: every request but ``GET``/``HEAD /health`` carries ``Authorization: Bearer KEY``, else 401
    with OpenAI's body (``code: "invalid_api_key"``) before any route runs; an unknown path gets
    401 too, so the answer does not tell which routes exist.
 2. An unexpected exception becomes a 500 with a JSON body (Starlette would send plain text).
@@ -30,7 +30,7 @@ from shardserve.cluster.openai_protocol import OpenAIError, internal_error
 from shardserve.cluster.security import bearer_matches
 
 logger = logging.getLogger(__name__)
-OPEN_ROUTES = frozenset({("GET", "/health")})   # (method, path) served without a key
+OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})   # (method, path) served without a key
 
 
 def error_response(err: OpenAIError, headers: dict | None = None) -> JSONResponse:
@@ -129,7 +129,7 @@ def build_openai_app(core, api_keys: list[str] | None = None) -> FastAPI:
     async def model(model: str) -> Response:
         return await core.models(model)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with either
     async def health() -> Response:
         return await core.health()
 

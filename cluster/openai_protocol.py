@@ -20,7 +20,7 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
 # Fields whose non-default values would change the output but the engine does not implement.
 _UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
-                "functions": None, "response_format": None, "suffix": None, "best_of": None, "echo": False}
+                "functions": None, "suffix": None, "best_of": None, "echo": False}
 
 
 class OpenAIError(Exception):
@@ -169,10 +169,24 @@ def _stop(body: dict) -> list[str]:
     return list(stops)
 
 
+def _response_format(body: dict) -> None:
+    """``response_format``: ``{"type": "text"}`` (OpenAI's default, sent by clients such as
+    LangChain) is plain output; JSON modes (``json_object``, ``json_schema``) are not supported."""
+    value = body.get("response_format")
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("'response_format' must be an object with a 'type'", "response_format")
+    if value["type"] != "text":
+        raise bad_request(f"'response_format' type {value['type']!r} is not supported by this server (only 'text')",
+                          "response_format")
+
+
 def _common(body: dict, kind: str) -> ParsedRequest:
     for name, default in _UNSUPPORTED.items():
         if body.get(name) not in (None, default):
             raise bad_request(f"'{name}' is not supported by this server", name)
+    _response_format(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -184,6 +198,11 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         raise bad_request("'stream_options' must be an object", "stream_options")
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})   # OpenAI's fields
+    if unknown:
+        raise bad_request(f"unknown 'stream_options' field(s) {unknown}", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     n = _number(body, "n", 1, MAX_N, integer=True) or 1
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, max_name, 1, 2**31 - 1, integer=True)
@@ -211,6 +230,8 @@ def _common(body: dict, kind: str) -> ParsedRequest:
 def _content(message: dict, index: int) -> str:
     content = message.get("content")
     if content is None:
+        if message["role"] != "assistant":   # only an assistant turn (e.g. with tool calls) may omit it
+            raise bad_request(f"messages[{index}].content is required for role {message['role']!r}", "messages")
         return ""
     if isinstance(content, str):
         return content

@@ -40,6 +40,13 @@ def error_of(parse, body) -> OpenAIError:
     (parse_chat, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (parse_chat, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     (parse_chat, {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (parse_chat, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+    (parse_chat, {"messages": CHAT, "response_format": "text"}, "response_format", "an object"),
+    (parse_chat, {"messages": CHAT, "stream": True, "stream_options": {"include_usage": "x"}}, "stream_options",
+     "boolean"),
+    (parse_chat, {"messages": CHAT, "stream": True, "stream_options": {"usage": True}}, "stream_options", "unknown"),
+    (parse_chat, {"messages": [{"role": "user", "content": None}]}, "messages", "content is required"),
+    (parse_chat, {"messages": [{"role": "system"}]}, "messages", "content is required"),
     (parse_completion, {"prompt": ""}, "prompt", "'prompt' must not be empty"),
     (parse_completion, {"prompt": []}, "prompt", "must not be empty"),
     (parse_completion, {}, "prompt", "required"),
@@ -62,6 +69,8 @@ def test_parsed_fields_follow_openai_defaults():
     assert chat.sampling == {"stop": ["\n"], "max_tokens": 7, "top_k": 5, "min_p": 0.1}
     assert (chat.n, chat.seed, chat.logprobs, chat.stream, chat.include_usage) == (2, 3, 2, True, True)
     assert parse_chat({"messages": CHAT}).max_tokens is None           # chat: up to the context length
+    assert parse_chat({"messages": CHAT, "response_format": {"type": "text"}}).prompts == [CHAT]   # the default
+    assert parse_chat({"messages": CHAT + [{"role": "assistant", "content": None}]}).prompts[0][-1]["content"] == ""
     assert parse_completion({"prompt": "x"}).sampling["max_tokens"] == 16   # legacy default
     assert parse_completion({"prompt": "x", "ignore_eos": True}).sampling["ignore_eos"] is True   # vLLM extension
     assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
@@ -204,7 +213,7 @@ MODEL = "smollm2-135m-instruct"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 
 
-def test_every_route_and_unknown_paths_need_the_key_except_get_health():
+def test_every_route_and_unknown_paths_need_the_key_except_health():
     (_, app) = app_requests([])
     routes = [(method, route.path.replace("{model:path}", MODEL)) for route in app.routes
               for method in sorted(route.methods)] + [("GET", "/no/such/route"), ("POST", "/v1/chat/completion")]
@@ -214,8 +223,8 @@ def test_every_route_and_unknown_paths_need_the_key_except_get_health():
     requests = [(m, p, h, b"{}" if m == "POST" else None) for m, p in routes for h in bad_auth]
     responses, _ = app_requests(requests)
     for (method, path, headers, _), resp in zip(requests, responses):
-        if (method, path) == ("GET", "/health"):
-            assert resp.status_code == 503, (method, path)        # open: loading, not 401
+        if path == "/health":
+            assert resp.status_code == 503, (method, path)        # open (GET and HEAD): loading, not 401
             continue
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", (method, path, headers)
         if method != "HEAD":
