@@ -129,7 +129,8 @@ def build_openai_app(core, api_keys: list[str] | None = None) -> FastAPI:
     async def model(model: str) -> Response:
         return await core.models(model)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with either
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)   # load balancers probe with either; one schema entry
     async def health() -> Response:
         return await core.health()
 
