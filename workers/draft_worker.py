@@ -129,8 +129,8 @@ class DraftWorker(ReloadableRank):
             drafts[req_id][1].append(q)
         return tokens
 
+    @on_torch_thread        # outside: inference mode is per thread, so it must be entered on the torch thread
     @torch.inference_mode()
-    @on_torch_thread
     def propose(self, batch: DraftBatch) -> DraftResult:
         """Write the batch's MTP cache entries and propose drafts (see the module docstring).
 

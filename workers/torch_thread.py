@@ -40,7 +40,9 @@ def _remember_thread() -> None:
 
 def on_torch_thread(method):
     """Run ``method`` on the process's torch thread and return its result (its exceptions are
-    raised in the caller). A call made from the torch thread itself runs at once."""
+    raised in the caller). A call made from the torch thread itself runs at once. Put it outside
+    thread-local decorators (``torch.inference_mode()``, ``torch.no_grad()``): those must be
+    entered on the torch thread."""
 
     @functools.wraps(method)
     def run_there(*args, **kwargs):

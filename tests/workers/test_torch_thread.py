@@ -33,3 +33,15 @@ def test_calls_from_any_thread_run_on_the_one_torch_thread_and_raise_in_the_call
     assert seen[0] != threading.get_ident()
     with pytest.raises(ValueError, match="bad plan"):
         rank.fail()
+
+
+def test_inference_mode_inside_the_decorator_holds_on_the_torch_thread():
+    import torch
+
+    class Drafter:
+        @on_torch_thread
+        @torch.inference_mode()
+        def propose(self) -> bool:
+            return torch.is_inference_mode_enabled()
+
+    assert Drafter().propose()
