@@ -159,6 +159,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rows = _head_rows(layout, k_cache.shape[2], step_cache)                   # [B, Hkv, S]
         keys = _cast(k_cache.view(-1, k_cache.shape[-1])[rows], query.dtype)         # [B, Hkv, S, D]
         values = _cast(v_cache.view(-1, v_cache.shape[-1])[rows], query.dtype)
+        if decode:
+            return decode_attention(query, keys, values, layout.mask if seq_lens.shape[0] > 1 else None, scale)
         out = grouped_attention(q_pad, keys, values, layout.mask, scale, layout.blocked)
     return out[:, 0] if decode else out[layout.seq_of_token, layout.row_of_token]
 
@@ -175,6 +177,30 @@ def _head_rows(layout: PaddedLayout, num_kv_heads: int, step_cache: dict | None)
         if step_cache is not None:
             step_cache[key] = rows
     return rows
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """One query token per sequence over head-major K/V (the bf16 / fp16 decode path).
+
+    A decode query sees every valid key, so the ``G`` query heads that share a KV head are just
+    ``G`` query rows of one attention over that head's keys: torch's CPU flash-attention kernel
+    runs it without repeating K/V. Its block size does not depend on the context length, where a
+    bf16 ``bmm`` builds a new oneDNN primitive whenever the context grows (about 1 ms, twice per
+    step; measured with ``benchmarks/profile_decode.py``).
+
+    Args:
+        query: ``[B, H, D]``; query head ``h`` reads key head ``h // (H / Hkv)`` (HF ``repeat_kv``).
+        keys, values: ``[B, Hkv, S, D]``.
+        mask: ``[B, 1, 1, S]`` bool, True = attend; None when every key is valid (one sequence).
+
+    Returns:
+        ``[B, H, D]`` in ``query.dtype``.
+    """
+    batch, num_heads, head_dim = query.shape
+    q = query.view(batch, keys.shape[1], num_heads // keys.shape[1], head_dim)      # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.view(batch, num_heads, head_dim)
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
