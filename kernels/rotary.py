@@ -19,13 +19,15 @@ def rotary_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
 
     Returns:
         ``(cos, sin)``, each ``[num_tokens, 1, rot_dim // 2]`` (interleaved) or
-        ``[num_tokens, 1, rot_dim]`` (half-split: each half repeated, HF ``emb = cat(freqs, freqs)``).
+        ``[num_tokens, 1, rot_dim]`` (half-split: each half repeated, HF ``emb = cat(freqs, freqs)``;
+        sin's first half negated, the sign of HF's ``rotate_half``).
     """
     cos = cos[:, None, :].to(dtype)
     sin = sin[:, None, :].to(dtype)
     if interleaved:
         return cos, sin
-    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    # The half-split sin carries rotate_half's sign: rotate_half(x) * sin == x.roll(half) * [-sin, sin].
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -34,9 +36,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # HF's x * cos + rotate_half(x) * sin in four ops, rounding as it does: (-x2) * s == x2 * (-s).
+    out = x * cos
+    return out.add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(sin))
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
