@@ -116,7 +116,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         tokens = request.all_token_ids
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        # Only tokens known here: with async scheduling a computed position may hold a token that
+        # is still being sampled.
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(request.block_ids))
         for i in range(request.num_cached_blocks, num_full):
             parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else None
             chunk = tokens[i * self.block_size:(i + 1) * self.block_size]

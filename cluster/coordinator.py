@@ -12,6 +12,7 @@ weight reload swaps changed tensors between steps (``cluster/weight_swap.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -107,13 +108,15 @@ class Coordinator:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_lock: asyncio.Lock | None = None
+        self._boundary_waiters = 0   # callers of _at_step_boundary waiting for the lock
         self._reload_lock: asyncio.Lock | None = None
         self._grpc = None
         self._node_ip = ray.util.get_node_ip_address()
         self._node_id = ray.get_runtime_context().get_node_id()
         self.draining = False   # being replaced (drain()): in-flight requests finish, new ones are refused
-        logger.info("replica ready: %s, TP=%d (%s, %s), %d KV blocks", self.files.name, args.tensor_parallel_size,
-                    self.group.collective, group.dispatch, self.group.num_blocks)
+        logger.info("replica ready: %s, TP=%d (%s, %s%s), %d KV blocks", self.files.name, args.tensor_parallel_size,
+                    self.group.collective, group.dispatch, ", async scheduling" if self._pipelined else "",
+                    self.group.num_blocks)
 
     def _start_drafter(self, args: EngineArgs, group: GroupConfig, pg) -> RemoteDrafter | None:
         """The MTP draft worker when speculation is on (stops the shard workers if it fails)."""
@@ -146,6 +149,10 @@ class Coordinator:
                 except asyncio.TimeoutError:
                     await self._check_workers()
                 continue
+            if self._pipelined:
+                async with self._step_lock:
+                    await self._run_pipelined()
+                continue
             async with self._step_lock:
                 batch = self.core.schedule()
                 if not batch.plan.scheduled:
@@ -165,6 +172,64 @@ class Coordinator:
                         await self.core.speculator.propose_async(self.core, batch, result)
                     except WorkerDiedError as exc:
                         await self._fail(str(exc))
+
+    @property
+    def _pipelined(self) -> bool:
+        """Async scheduling is on: one rank with actor-call dispatch, no MTP drafting (whose proposals
+        need the last step's accepted tokens before the next step is planned)."""
+        return self.core.speculator is None and self.group.can_pipeline
+
+    async def _run_pipelined(self) -> None:
+        """Async scheduling (vLLM's ``--async-scheduling``): the next step is scheduled and sent
+        before the running one's result is read, so rank 0 starts it as soon as it is done instead
+        of idling through the round trip (result back, update, schedule, plan out; about 2 ms per
+        CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is still being sampled
+        gets a placeholder that rank 0 fills with its own sample. Returns, with no step in flight,
+        when there is no work, the replica failed, or someone waits for a step boundary
+        (:meth:`_at_step_boundary`). Step lock held by the caller."""
+        pending = None   # (batch, submitted, started) of the step in flight
+        while True:
+            batch = None
+            if self.healthy and not self._boundary_waiters and self._has_work():
+                batch = self.core.schedule()
+                if not batch.plan.scheduled:
+                    batch = None
+            submitted = None
+            if batch is not None:
+                try:
+                    started, submitted = time.perf_counter(), self.group.submit(batch.plan)
+                except WorkerDiedError as exc:
+                    await self._fail(str(exc))
+                    return
+            if pending is not None:
+                done_batch, done_submitted, done_started = pending
+                try:
+                    result = await asyncio.to_thread(self.group.collect, done_submitted)
+                except WorkerDiedError as exc:
+                    await self._fail(str(exc))   # the step just sent failed with it: fail_all covers both
+                    return
+                self._record_step(time.perf_counter() - done_started, result)
+                self._publish(self.core.update(done_batch, result))
+                if submitted is not None:
+                    started = time.perf_counter()   # the step sent ahead starts when this one is back
+            elif batch is None:
+                if self.healthy and self._has_work() and not self._boundary_waiters:
+                    await asyncio.sleep(0.001)   # work, but none schedulable now (e.g. no free blocks)
+                return
+            pending = None if batch is None else (batch, submitted, started)
+            if pending is None:
+                return
+
+    @contextlib.asynccontextmanager
+    async def _at_step_boundary(self):
+        """Hold the step lock with no step in flight: the pipelined loop stops sending steps ahead,
+        collects the one in flight and lets go (weight reloads, probes, liveness checks)."""
+        self._boundary_waiters += 1
+        try:
+            async with self._step_lock:
+                yield
+        finally:
+            self._boundary_waiters -= 1
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -188,7 +253,7 @@ class Coordinator:
     async def _check_workers(self) -> None:
         """Idle-time liveness check: every worker answers ``status`` (kept for ModelInfo), or the
         replica fails and repairs itself before a request runs into the dead rank."""
-        async with self._step_lock:
+        async with self._at_step_boundary():
             if not self.healthy or self._has_work():
                 return
             try:
@@ -277,7 +342,7 @@ class Coordinator:
             self.core.scheduler.admit_new = False
             try:
                 aborted = await self._quiesce(mode)
-                async with self._step_lock:
+                async with self._at_step_boundary():
                     if not self.healthy:
                         raise ReplicaUnavailable(self.error)
                     changed, unchanged = await self._swap(files)
@@ -293,7 +358,7 @@ class Coordinator:
         """With admission paused: end started requests (abort) or wait for them (drain)."""
         aborted = 0
         if mode == "abort":
-            async with self._step_lock:   # at a step boundary
+            async with self._at_step_boundary():
                 outputs = self.core.interrupt_started("aborted: the replica is reloading its weights (mode=abort)")
                 self._publish(outputs)
                 aborted = len(outputs)
@@ -383,7 +448,7 @@ class Coordinator:
         """Last-position logits of ``prompt_ids`` (``[vocab]`` float32, from rank 0), run between
         engine steps (tests and debugging)."""
         self._ensure_loop()
-        async with self._step_lock:
+        async with self._at_step_boundary():
             plan, probe = self.core.probe_plan(prompt_ids)
             try:
                 result = await asyncio.to_thread(self.group.execute, plan)
@@ -410,6 +475,7 @@ class Coordinator:
             + [{key: w[key] for key in ("role", "rank", "pid", "bundle_index", "weight_loads")}
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
+            "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
         }
 
     def placement(self) -> dict:

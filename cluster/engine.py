@@ -145,6 +145,7 @@ class EngineCore:
         Requests aborted while the step ran are skipped."""
         verified = set()
         for request, sched in zip(batch.requests, batch.plan.scheduled):
+            request.num_placeholders -= sched.sample
             if sched.num_spec_tokens:   # verified drafts: hashed after the rollback, in _append
                 verified.add(sched.req_id)
             else:

@@ -116,6 +116,10 @@ class Request:
     # cleared) by the next step that schedules this request; never part of the output until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: object = None           # [len(spec_token_ids), vocab] float32 draft q; None = greedy
+    # Async scheduling: tokens being sampled by steps in flight (scheduled, result not back yet).
+    # The next step computes such a token at its position before the coordinator knows it: the plan
+    # carries PLACEHOLDER_TOKEN there and rank 0 puts in the token it sampled for the request.
+    num_placeholders: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -132,3 +136,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def may_sample_more(self, max_model_len: int) -> bool:
+        """False when the tokens in flight already reach ``max_tokens`` or ``max_model_len``: one
+        more step would compute a token the length check is bound to drop."""
+        if not self.num_placeholders:
+            return True
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is None or self.num_output_tokens + self.num_placeholders < max_tokens)
+                and self.num_tokens + self.num_placeholders < max_model_len)

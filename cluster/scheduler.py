@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.request import Request, RequestStatus
 from shardserve.cluster.state_slots import StateSlots
-from shardserve.workers.messages import NewRequestData, ScheduledRequest, StepPlan
+from shardserve.workers.messages import PLACEHOLDER_TOKEN, NewRequestData, ScheduledRequest, StepPlan
 
 
 @dataclass(slots=True)
@@ -121,8 +121,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            # Draft tokens are computed like any other (verified in the same forward).
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            if not request.may_sample_more(self.config.max_model_len):   # its last token is in flight
+                i += 1
+                continue
+            # Draft tokens are computed like any other (verified in the same forward); so is a token
+            # still being sampled by the step in flight (a placeholder).
+            num_new = min(_num_known(request) + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -138,6 +142,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self.admit_new and not request.num_output_tokens:
+                break
+            if request.num_placeholders:   # preempted while a step sampled for it: wait for that token
                 break
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             if self.config.num_speculative_tokens and hits:
@@ -168,20 +174,30 @@ class Scheduler:
                                                         request.state_slot))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
+            known = _num_known(request)
             # Drafts that did not fit the budget are dropped; the rest are verified and consumed.
-            num_spec = max(0, start + num_new - request.num_tokens) if request.spec_token_ids else 0
+            num_spec = max(0, start + num_new - known) if request.spec_token_ids else 0
+            token_ids = request.all_token_ids[start:start + num_new - num_spec]
+            token_ids += [PLACEHOLDER_TOKEN] * (num_new - num_spec - len(token_ids))
+            sample = start + num_new - num_spec == known
             plan.scheduled.append(ScheduledRequest(
                 req_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + num_new - num_spec] + request.spec_token_ids[:num_spec],
+                token_ids=token_ids + request.spec_token_ids[:num_spec],
                 start_pos=start,
                 new_block_ids=request.block_ids[request.num_sent_blocks:],
-                sample=start + num_new - num_spec == request.num_tokens,
-                output_index=request.num_output_tokens,
+                sample=sample,
+                output_index=request.num_output_tokens + request.num_placeholders,
                 num_spec_tokens=num_spec,
                 draft_probs=None if not num_spec or request.spec_probs is None else request.spec_probs[:num_spec],
             ))
             request.spec_token_ids, request.spec_probs = [], None
             request.num_sent_blocks = len(request.block_ids)
             request.num_computed_tokens += num_new
+            request.num_placeholders += sample   # given back by EngineCore.update when the result is in
             batch.requests.append(request)
         return batch
+
+
+def _num_known(request: Request) -> int:
+    """Tokens of ``request`` once the steps in flight are back: its tokens plus its placeholders."""
+    return request.num_tokens + request.num_placeholders

@@ -46,7 +46,7 @@ class GroupConfig:
     gpus_per_worker: float = 0.0
     strategy: str = "PACK"              # Ray placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
-    dispatch: str = "compiled"          # "compiled" (Ray Compiled Graph) or "calls"
+    dispatch: str = "calls"             # "calls" (actor calls) or "compiled" (Ray Compiled Graph); as the CLI
     device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
 
 
@@ -170,18 +170,49 @@ class WorkerGroup:
         Raises:
             WorkerDiedError: any rank died or raised.
         """
+        return self.collect(self.submit(plan))
+
+    @property
+    def can_pipeline(self) -> bool:
+        """Whether steps may be submitted before the previous one's result is read (async
+        scheduling): with actor calls, which each rank runs in submission order, on one rank (only
+        rank 0 samples, so only it can fill a plan's placeholders)."""
+        return self._dag is None and self.config.tensor_parallel_size == 1
+
+    def submit(self, plan: StepPlan) -> tuple[list, StepPlan]:
+        """Send ``plan`` to every rank without waiting; hand the returned handle to :meth:`collect`.
+
+        Raises:
+            WorkerDiedError: the plan could not be sent.
+        """
         try:
             if self._dag is not None:
-                ref = self._dag.execute(plan)
+                return [self._dag.execute(plan)], plan
+            return [w.execute.remote(plan) for w in self.workers], plan
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
+    def collect(self, submitted: tuple[list, StepPlan]) -> StepResult:
+        """Rank 0's result of a :meth:`submit` (blocking).
+
+        Raises:
+            WorkerDiedError: any rank died or raised.
+        """
+        refs, plan = submitted
+        try:
+            if self._dag is not None:
                 time.sleep(self._step_timer.sleep_s(plan))   # the result read below spins: keep it short
-                result = ray.get(ref)[0]
+                result = ray.get(refs[0])[0]
                 self._step_timer.observe(plan, result.execute_s)
                 return result
-            return _first_failure_get([w.execute.remote(plan) for w in self.workers])[0]
+            return _first_failure_get(refs)[0]
         except Exception as exc:
-            if self._segment is not None:
-                self._segment.abort()  # unblock ranks spinning on a dead peer
-            raise WorkerDiedError(f"shard worker failed: {root_cause(exc)}") from exc
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> WorkerDiedError:
+        if self._segment is not None:
+            self._segment.abort()  # unblock ranks spinning on a dead peer
+        return WorkerDiedError(f"shard worker failed: {root_cause(exc)}")
 
     # -- recovery ---------------------------------------------------------------------------------
     def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
@@ -310,6 +341,8 @@ def unresponsive(status_refs: list, timeout_s: float) -> list[int]:
 def _first_failure_get(refs: list) -> list:
     """``ray.get(refs)``, but raising the first failure as soon as it happens: the other ranks may
     be blocked in a collective waiting for the failed one (then the caller kills them)."""
+    if len(refs) == 1:
+        return [ray.get(refs[0])]
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)

@@ -125,7 +125,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining", "async_scheduling", "num_preemptions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,8 @@ class ModelInfoResponse(_message.Message):
     RANK_NODE_IPS_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -188,7 +190,9 @@ class ModelInfoResponse(_message.Message):
     rank_node_ips: _containers.RepeatedScalarFieldContainer[str]
     num_nodes: int
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    async_scheduling: bool
+    num_preemptions: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class WorkerProcess(_message.Message):
     __slots__ = ("role", "rank", "pid", "bundle_index", "weight_loads")

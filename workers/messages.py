@@ -31,12 +31,16 @@ class NewRequestData:
     state_slot: int | None = None   # recurrent-state slot (hybrid models, cluster/state_slots.py); None otherwise
 
 
+PLACEHOLDER_TOKEN = -1   # a token_ids entry rank 0 fills with its last sample for the request (async scheduling)
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's work in this step."""
 
     req_id: str
-    token_ids: list[int]            # tokens to compute this step (prefill chunk, or 1 for decode)
+    token_ids: list[int]            # tokens to compute this step (prefill chunk, or 1 for decode); a decode's
+                                    # one token may be PLACEHOLDER_TOKEN: the last token rank 0 sampled for it
     start_pos: int                  # position of token_ids[0] == tokens already in the KV cache
     new_block_ids: list[int]        # blocks appended to the request's block table this step
     sample: bool                    # True when this step reaches the last known token

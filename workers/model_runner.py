@@ -24,7 +24,7 @@ from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_
                                        cpu_cache_plan, gib, resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
-from shardserve.workers.messages import SamplingOptions, StepPlan, StepResult
+from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
@@ -110,6 +110,7 @@ class RequestState:
 
     block_ids: list[int]
     sampling: SamplingOptions
+    last_sampled: int = PLACEHOLDER_TOKEN   # rank 0: the last token sampled for it (fills placeholders)
 
 
 def apply_request_diffs(requests: dict[str, RequestState], finished_req_ids, new_requests, scheduled) -> None:
@@ -320,6 +321,13 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
+        for sched in plan.scheduled:   # async scheduling: a decode token the coordinator did not know yet
+            if sched.token_ids[-1] == PLACEHOLDER_TOKEN:
+                token = self.requests[sched.req_id].last_sampled
+                if token == PLACEHOLDER_TOKEN:
+                    raise RuntimeError(f"plan has a placeholder for {sched.req_id!r}, which rank "
+                                       f"{get_tp_group().tp_rank} never sampled")
+                sched.token_ids[-1] = token
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
         return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
@@ -367,6 +375,8 @@ class ModelRunner:
         else:
             tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
+        for token in sampled:   # in order: a request's last entry is its newest token
+            self.requests[token.req_id].last_sampled = token.token_id
         hidden = self.last_hidden_states
         return StepResult(sampled, logits.cpu() if plan.return_logits else None,
                           None if hidden is None else hidden.float().cpu())

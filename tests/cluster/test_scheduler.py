@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.request import Request, RequestStatus, SamplingParams
 from shardserve.cluster.scheduler import Scheduler, SchedulerConfig
+from shardserve.workers.messages import PLACEHOLDER_TOKEN
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=8):
@@ -13,9 +14,11 @@ def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=8):
 
 
 def finish_step(batch, next_token=0):
-    """What the engine does after a step: append a token to every request that sampled."""
+    """What the engine does after a step: append a token to every request that sampled (and give
+    back the placeholder the scheduler counted for it)."""
     for req, sched in zip(batch.requests, batch.plan.scheduled):
         if sched.sample:
+            req.num_placeholders -= 1
             req.output_token_ids.append(next_token)
 
 
@@ -101,3 +104,47 @@ def test_paused_admission_keeps_fresh_requests_waiting_but_readmits_preempted_on
     assert batch.plan.scheduled[0].token_ids == list(range(6)) + [0]   # recomputed from its first token
     s.admit_new = True
     assert [r.request_id for r in s.schedule().requests] == ["started", "fresh"]
+
+
+def test_async_scheduling_sends_a_placeholder_for_the_token_in_flight():
+    """The next step is scheduled before the last result is back (coordinator's pipelined loop):
+    the decode computes the token being sampled at its position as a placeholder, the output index
+    counts it, and a request whose in-flight tokens reach max_tokens is not scheduled again."""
+    s = make_scheduler(budget=16)
+    req = Request("a", list(range(5)), SamplingParams(max_tokens=3))
+    s.add(req)
+    b1 = s.schedule()
+    assert b1.plan.scheduled[0].sample and req.num_placeholders == 1
+    b2 = s.schedule()                                   # b1 still in flight
+    sched = b2.plan.scheduled[0]
+    assert (sched.token_ids, sched.start_pos, sched.sample, sched.output_index) == ([PLACEHOLDER_TOKEN], 5, True, 1)
+    assert req.num_placeholders == 2 and req.num_computed_tokens == 6
+    finish_step(b1, next_token=40)
+    b3 = s.schedule()                                   # b2 in flight: its token is the third and last
+    assert b3.plan.scheduled[0].token_ids == [PLACEHOLDER_TOKEN] and b3.plan.scheduled[0].output_index == 2
+    assert not s.schedule().plan.scheduled              # 1 output + 2 in flight = max_tokens: nothing to add
+    finish_step(b2, next_token=41)
+    assert req.all_token_ids[5:] == [40, 41] and req.num_placeholders == 1
+
+
+def test_preempted_request_waits_for_its_tokens_in_flight():
+    """A request preempted while steps sample for it is not recomputed before those tokens are back
+    (the recompute's prompt would miss them)."""
+    s = make_scheduler(num_blocks=3, block_size=4, budget=16)
+    a = Request("a", list(range(7)), SamplingParams())
+    b = Request("b", list(range(100, 103)), SamplingParams())
+    s.add(a)
+    s.add(b)
+    b1 = s.schedule()                                   # a: blocks 0-1, b: block 2; the pool is full
+    b2 = s.schedule()                                   # both decode positions 7 and 3 on placeholders
+    assert [x.token_ids for x in b2.plan.scheduled] == [[PLACEHOLDER_TOKEN]] * 2
+    b3 = s.schedule()                                   # a's position 8 needs a block: b is preempted
+    assert b3.preempted == [b] and b.num_placeholders == 2 and b in s.waiting
+    assert [x.req_id for x in b3.plan.scheduled] == ["a"]
+    s.finish(a, RequestStatus.FINISHED_STOPPED)         # blocks free, but b's tokens are not back
+    assert not s.schedule().plan.scheduled
+    finish_step(b1, next_token=9)
+    finish_step(b2, next_token=10)
+    again = s.schedule()
+    assert [x.req_id for x in again.plan.scheduled] == ["b"]
+    assert again.plan.scheduled[0].token_ids == [100, 101, 102, 9, 10] and again.plan.scheduled[0].start_pos == 0

@@ -38,7 +38,8 @@ def test_admission_needs_a_slot_and_finish_returns_it():
     batch = s.schedule()
     assert [n.req_id for n in batch.plan.new_requests] == ["a"] and batch.plan.new_requests[0].state_slot == 0
     assert b.status == RequestStatus.WAITING and not b.block_ids, "b waits for a slot, holding no blocks"
-    a.output_token_ids.append(7)
+    a.output_token_ids.append(7)   # the step's result (EngineCore.update)
+    a.num_placeholders = 0
     s.finish(a, RequestStatus.FINISHED_STOPPED)
     batch = s.schedule()
     assert batch.plan.finished_req_ids == ["a"]
@@ -52,8 +53,9 @@ def test_preemption_frees_the_slot_and_readmission_sends_one_again():
     s.add(b)
     s.schedule()                        # a: 2 blocks, b: 1 block, slots 0 and 1
     assert (a.state_slot, b.state_slot) == (0, 1)
-    b.output_token_ids.append(9)
-    a.output_token_ids.append(9)
+    for request in (a, b):              # the step's results (EngineCore.update)
+        request.output_token_ids.append(9)
+        request.num_placeholders = 0
     batch = s.schedule()                # b needs a second block: the newest request (b) is preempted
     assert batch.preempted == [b] and b.state_slot is None and s.state_slots.num_free == 1
     assert s.num_preemptions == 1 and batch.plan.finished_req_ids == ["b"], "workers forget b's state"
@@ -87,7 +89,9 @@ def test_worker_loss_and_a_reload_abort_give_every_slot_back():
     core.schedule()
     slots = core.scheduler.state_slots
     assert slots.num_free == 0
-    core.requests[ids[0]].request.output_token_ids.append(5)          # it has streamed a token
+    for tracked in core.requests.values():                            # the step is back (EngineCore.update) ...
+        tracked.request.num_placeholders = 0
+    core.requests[ids[0]].request.output_token_ids.append(5)          # ... and one has streamed a token
     outputs = core.interrupt_started("reloading")
     assert [(o.request_id, o.finish_reason) for o in outputs] == [(ids[0], "abort")]
     assert slots.num_free == 3 and core.scheduler.num_preemptions == 0
