@@ -175,8 +175,8 @@ class Coordinator:
 
     @property
     def _pipelined(self) -> bool:
-        """Async scheduling is on: one rank with actor-call dispatch, no MTP drafting (whose proposals
-        need the last step's accepted tokens before the next step is planned)."""
+        """Async scheduling is on: actor-call dispatch and no MTP drafting (whose proposals need the
+        last step's accepted tokens before the next step is planned)."""
         return self.core.speculator is None and self.group.can_pipeline
 
     async def _run_pipelined(self) -> None:

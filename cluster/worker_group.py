@@ -175,9 +175,9 @@ class WorkerGroup:
     @property
     def can_pipeline(self) -> bool:
         """Whether steps may be submitted before the previous one's result is read (async
-        scheduling): with actor calls, which each rank runs in submission order, on one rank (only
-        rank 0 samples, so only it can fill a plan's placeholders)."""
-        return self._dag is None and self.config.tensor_parallel_size == 1
+        scheduling): with actor calls, which each rank runs in submission order (rank 0 fills a
+        plan's placeholders and shares them with the other ranks, ``ModelRunner._fill_placeholders``)."""
+        return self._dag is None
 
     def submit(self, plan: StepPlan) -> tuple[list, StepPlan]:
         """Send ``plan`` to every rank without waiting; hand the returned handle to :meth:`collect`.

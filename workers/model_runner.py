@@ -321,13 +321,30 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
-        for sched in plan.scheduled:   # async scheduling: a decode token the coordinator did not know yet
-            if sched.token_ids[-1] == PLACEHOLDER_TOKEN:
-                token = self.requests[sched.req_id].last_sampled
-                if token == PLACEHOLDER_TOKEN:
-                    raise RuntimeError(f"plan has a placeholder for {sched.req_id!r}, which rank "
-                                       f"{get_tp_group().tp_rank} never sampled")
-                sched.token_ids[-1] = token
+        holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
+        if holes:
+            self._fill_placeholders(holes)
+
+    def _fill_placeholders(self, holes: list) -> None:
+        """Async scheduling: put rank 0's last sample of each request in its decode's placeholder.
+        Other ranks get them from rank 0 in one all-reduce of ``[len(holes)]`` int64 (zeros elsewhere;
+        exact on every backend: ids are far below 2**24, the shm backend sums in float32).
+
+        Raises:
+            RuntimeError: rank 0 never sampled for one of them (a coordinator bug).
+        """
+        group = get_tp_group()
+        if group.tp_rank == 0:
+            tokens = [self.requests[sched.req_id].last_sampled for sched in holes]
+            if PLACEHOLDER_TOKEN in tokens:
+                missing = holes[tokens.index(PLACEHOLDER_TOKEN)].req_id
+                raise RuntimeError(f"the plan has a placeholder for {missing!r}, which rank 0 never sampled")
+        else:
+            tokens = [0] * len(holes)
+        if group.tp_size > 1:
+            tokens = group.all_reduce(torch.tensor(tokens, dtype=torch.int64, device=self.device)).tolist()
+        for sched, token in zip(holes, tokens):
+            sched.token_ids[-1] = token
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
         return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},

@@ -1,5 +1,6 @@
-"""Async scheduling on a real Ray cluster (TP=1, actor calls): the coordinator sends step N+1 before
-step N's tokens are back, and rank 0 fills each decode's placeholder with its own sample. Outputs
+"""Async scheduling on a real Ray cluster (actor calls): the coordinator sends step N+1 before step
+N's tokens are back, and rank 0 fills each decode's placeholder with its own sample (and shares it
+with the other ranks at TP=2). Outputs
 must be exactly the single-process engine's (float32, SmolLM2), through everything that ends or
 interrupts a request between a step's send and its result: EOS, max_tokens, a stop string, seeded
 sampling (its per-request RNG stream is indexed by the output position, placeholders included),
@@ -32,13 +33,15 @@ PARAMS = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=27, temperature=0.7, top_k=20, seed=3)]
 
 
-def test_async_scheduling_matches_the_single_process_engine(ray_cluster, replicas, smollm2_files, smollm2_llm):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_scheduling_matches_the_single_process_engine(ray_cluster, replicas, smollm2_files, smollm2_llm, tp):
     """6 KV blocks of 16 tokens hold a fraction of the 8 requests at once: requests are preempted
     and recomputed, some while a step that samples for them is in flight."""
     ids = [smollm2_llm.encode(p) for p in PROMPTS]
     expected = [(d.token_ids, d.text, d.finish_reason) for d in smollm2_llm.generate(ids, PARAMS)]
     assert {reason for *_, reason in expected} == {"length", "stop"}
-    args = EngineArgs(model=str(smollm2_files.path), num_blocks=6, dtype="float32")
+    args = EngineArgs(model=str(smollm2_files.path), num_blocks=6, dtype="float32",
+                      tensor_parallel_size=tp)
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1, dispatch="calls"))
     try:
         assert ray_cluster.get(handle.model_info.remote())["async_scheduling"]
