@@ -137,13 +137,15 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     num_tokens, num_heads, head_dim = query.shape
+    decode = max_query_len == 1 and num_tokens == seq_lens.shape[0]   # one query per sequence, in order
+    if decode and query.dtype != torch.float32:
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, step_cache)
     layout = None if step_cache is None else step_cache.get("padded_layout")
     if layout is None:
         layout = padded_layout(block_tables, seq_lens, query_start_loc, k_cache.shape[1], max_query_len,
                                max_seq_len, num_tokens)
         if step_cache is not None:
             step_cache["padded_layout"] = layout
-    decode = max_query_len == 1 and num_tokens == seq_lens.shape[0]   # one query per sequence, in order
     if decode:
         q_pad = query[:, None]
     else:
@@ -159,8 +161,6 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rows = _head_rows(layout, k_cache.shape[2], step_cache)                   # [B, Hkv, S]
         keys = _cast(k_cache.view(-1, k_cache.shape[-1])[rows], query.dtype)         # [B, Hkv, S, D]
         values = _cast(v_cache.view(-1, v_cache.shape[-1])[rows], query.dtype)
-        if decode:
-            return decode_attention(query, keys, values, layout.mask if seq_lens.shape[0] > 1 else None, scale)
         out = grouped_attention(q_pad, keys, values, layout.mask, scale, layout.blocked)
     return out[:, 0] if decode else out[layout.seq_of_token, layout.row_of_token]
 
@@ -179,27 +179,49 @@ def _head_rows(layout: PaddedLayout, num_kv_heads: int, step_cache: dict | None)
     return rows
 
 
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-    """One query token per sequence over head-major K/V (the bf16 / fp16 decode path).
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                           step_cache: dict | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged K/V (the bf16 / fp16 decode path on CPU).
 
-    A decode query sees every valid key, so the ``G`` query heads that share a KV head are just
-    ``G`` query rows of one attention over that head's keys: torch's CPU flash-attention kernel
-    runs it without repeating K/V. Its block size does not depend on the context length, where a
-    bf16 ``bmm`` builds a new oneDNN primitive whenever the context grows (about 1 ms, twice per
-    step; measured with ``benchmarks/profile_decode.py``).
+    Each sequence's first ``ceil(max_seq_len / block_size)`` blocks are gathered whole (one
+    ``index_select`` per cache) and read in place as ``[B, Hkv, W, D]`` through a transposed view;
+    positions past a sequence's length are masked (cut instead, for one sequence). A decode query
+    sees every valid key, so the ``G`` query heads that share a KV head are ``G`` query rows of one
+    attention over that head's keys: torch's CPU flash-attention kernel runs it without repeating
+    K/V. A bf16 ``bmm`` would build a new oneDNN primitive whenever the context grows (about 1 ms,
+    twice per step; ``benchmarks/profile_decode.py``), and a per-position gather costs 4x the
+    block gather.
 
     Args:
         query: ``[B, H, D]``; query head ``h`` reads key head ``h // (H / Hkv)`` (HF ``repeat_kv``).
-        keys, values: ``[B, Hkv, S, D]``.
-        mask: ``[B, 1, 1, S]`` bool, True = attend; None when every key is valid (one sequence).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (this step's K/V already stored).
+        block_tables: ``[B, max_blocks]`` int (padded with any valid block id).
+        seq_lens: ``[B]`` int, tokens in context after this step. max_seq_len: their maximum (host int).
+        step_cache: per-step dict; the gathered block ids and the length mask are kept there.
 
     Returns:
         ``[B, H, D]`` in ``query.dtype``.
     """
     batch, num_heads, head_dim = query.shape
-    q = query.view(batch, keys.shape[1], num_heads // keys.shape[1], head_dim)      # [B, Hkv, G, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    width = -(-max_seq_len // block_size) * block_size
+    cached = None if step_cache is None else step_cache.get("decode_blocks")
+    if cached is None:
+        blocks = block_tables[:, :width // block_size].reshape(-1).long()
+        mask = None if batch == 1 else (torch.arange(width, device=seq_lens.device) < seq_lens[:, None])[:, None, None]
+        cached = (blocks, mask)                                                      # mask: [B, 1, 1, W]
+        if step_cache is not None:
+            step_cache["decode_blocks"] = cached
+    blocks, mask = cached
+    length = max_seq_len if batch == 1 else width
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:                                  # [B, Hkv, length, D]
+        whole = cache.index_select(0, blocks).view(batch, width, num_kv, head_dim)
+        return _cast(whole[:, :length].transpose(1, 2), query.dtype)
+
+    q = query.view(batch, num_kv, num_heads // num_kv, head_dim)                      # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
     return out.view(batch, num_heads, head_dim)
 
 
