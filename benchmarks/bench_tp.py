@@ -1,9 +1,11 @@
 """Decode step time, TP=1 vs TP=2 on this machine, split into compute, all-reduce and dispatch.
 
 Each configuration serves SmolLM2 on a local Ray cluster and decodes one request (batch 1) for
-``--new-tokens`` tokens. Per step: ``step`` is the coordinator's round trip to all ranks,
-``collective`` rank 0's time inside all-reduce / all-gather, ``compute`` the rest of rank 0's
-execute, ``dispatch`` = step - execute (Ray call or compiled-graph channel overhead).
+``--new-tokens`` tokens. Per step: ``step`` is the coordinator's time per step (with actor calls,
+which run async scheduling, the interval between two results; with a compiled graph the round
+trip to all ranks), ``collective`` rank 0's time inside all-reduce / all-gather, ``compute`` the
+rest of rank 0's execute, ``dispatch`` = step - execute (what async scheduling does not hide:
+Ray's task handling on the rank, or the compiled-graph channel overhead).
 Run with ``make bench``; not a test.
 """
 

@@ -245,7 +245,8 @@ class Coordinator:
         stats["collective_s"] += result.collective_s   # rank 0 inside all-reduce / all-gather
 
     def take_step_stats(self) -> dict:
-        """Totals since the last call (seconds): ``steps``, ``step_s`` (dispatch round trip),
+        """Totals since the last call (seconds): ``steps``, ``step_s`` (dispatch round trip; with async
+        scheduling the time from the previous step's result to this one's),
         ``execute_s`` (rank 0 compute incl. collectives), ``collective_s``; then reset."""
         stats, self.step_stats = self.step_stats, dict.fromkeys(self.step_stats, 0.0)
         return stats
