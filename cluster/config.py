@@ -121,6 +121,23 @@ class EngineArgs:
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             seed=self.seed, quantization=self.quantization)
 
+    def check_model_limits(self, hf_config) -> None:
+        """Refuse settings the model itself cannot serve (checked once its config is read, before
+        any weight is loaded).
+
+        Raises:
+            ValueError: ``max_model_len`` is more than the model's context length
+                (``max_position_embeddings``: the length of its RoPE table; positions past it have no
+                rotation), as vLLM refuses it.
+        """
+        from shardserve.workers.model_source import model_context_length
+
+        limit = model_context_length(hf_config)
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(f"--max-model-len {self.max_model_len} is more than this model's context length, "
+                             f"{limit} tokens (max_position_embeddings in its config); lower --max-model-len to at "
+                             f"most {limit}")
+
     def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
         """The context length to serve: one sequence of that length must fit the KV pool
         (``num_blocks * block_size`` tokens per rank), as vLLM requires at start-up.

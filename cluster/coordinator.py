@@ -28,7 +28,7 @@ from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_i
 from shardserve.cluster.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
 from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
 from shardserve.workers.checkpoint_compat import CheckpointManifest
-from shardserve.workers.model_source import load_config, resolve_model
+from shardserve.workers.model_source import load_config, model_context_length, resolve_model
 
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
@@ -72,6 +72,7 @@ class Coordinator:
         self.args, self.front = args, front or FrontConfig()
         self.files = resolve_model(args.model)
         self.hf_config = args.model_config(load_config(self.files))
+        args.check_model_limits(self.hf_config)
         self.tokenizer = load_tokenizer(self.files)
         group = group or GroupConfig(tensor_parallel_size=args.tensor_parallel_size)
         group.tensor_parallel_size = args.tensor_parallel_size
@@ -81,7 +82,7 @@ class Coordinator:
             self.files, self.hf_config, args.runner_config(), group, args.max_num_batched_tokens, args.max_num_seqs,
             placement=(pg, 1) if pg is not None else None)
         try:
-            max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+            max_len = args.fit_max_model_len(model_context_length(self.hf_config),
                                              self.group.num_blocks)
         except ValueError:
             self.group.shutdown()

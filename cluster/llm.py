@@ -14,7 +14,7 @@ from shardserve.cluster.weight_swap import LocalHolder, ReloadResult, check_repl
 from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.device import resolve_device
 from shardserve.workers.model_runner import ModelRunner
-from shardserve.workers.model_source import load_config, resolve_model
+from shardserve.workers.model_source import load_config, model_context_length, resolve_model
 
 
 @dataclass(slots=True)
@@ -49,11 +49,12 @@ class LLM:
         self.args = args
         self.files = resolve_model(args.model)
         self.hf_config = args.model_config(load_config(self.files))
+        args.check_model_limits(self.hf_config)
         self.tokenizer = load_tokenizer(self.files)
         self.runner = ModelRunner(self.files, self.hf_config, args.runner_config(), progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
-        max_len = args.fit_max_model_len(getattr(self.hf_config, "max_position_embeddings", 4096),
+        max_len = args.fit_max_model_len(model_context_length(self.hf_config),
                                          self.runner.num_blocks)
         speculator, self.drafter = None, drafter
         if drafter is not None and not args.speculative_tokens:

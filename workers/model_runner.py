@@ -25,7 +25,7 @@ from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
-from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
 from shardserve.workers.state_cache import StateCache
@@ -161,7 +161,7 @@ class ModelRunner:
         self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
                                                      config.quantization)
         self.block_size = config.block_size
-        model_len = getattr(hf_config, "max_position_embeddings", 4096)   # the RoPE table's length
+        model_len = model_context_length(hf_config)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.memory: MemoryPlan | None = None
         self.model, self.weight_bytes = build_model(

@@ -135,6 +135,12 @@ def is_gguf_model(model: str) -> bool:
     return Path(model).suffix == ".gguf"
 
 
+def model_context_length(hf_config) -> int:
+    """The longest sequence a model serves, tokens: its ``max_position_embeddings``, the length of
+    its RoPE table (4096 when the config has none)."""
+    return getattr(hf_config, "max_position_embeddings", None) or 4096
+
+
 def load_config(files: ModelFiles):
     """The transformers config of the model (parsed from GGUF metadata for ``.gguf`` files)."""
     from transformers import AutoConfig

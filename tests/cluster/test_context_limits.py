@@ -7,6 +7,7 @@ prompt plus ``max_tokens`` exceeds the context is refused at once (OpenAI's 400
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +28,17 @@ def test_a_max_model_len_the_kv_pool_cannot_hold_fails_at_start_up():
                  "--kv-cache-gib (now 0.01)", "at most 96"):
         assert part in message, message
     assert EngineArgs(block_size=BLOCK, max_model_len=96).fit_max_model_len(8192, BLOCKS) == 96
+
+
+def test_a_max_model_len_above_the_models_context_is_refused():
+    """Positions past ``max_position_embeddings`` have no RoPE rotation: vLLM refuses the setting too."""
+    config = SimpleNamespace(max_position_embeddings=8192)
+    with pytest.raises(ValueError, match=r"--max-model-len 8193 is more than this model's context length, 8192 "
+                                         r"tokens \(max_position_embeddings in its config\); lower --max-model-len "
+                                         r"to at most 8192"):
+        EngineArgs(max_model_len=8193).check_model_limits(config)
+    EngineArgs(max_model_len=8192).check_model_limits(config)
+    EngineArgs().check_model_limits(config)
 
 
 def test_without_max_model_len_the_limit_is_lowered_to_the_pool_with_a_warning(caplog):

@@ -51,6 +51,15 @@ def test_quantization_of_a_gguf_file_is_refused_before_loading(command, smollm2_
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "applies to float checkpoints" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+def test_max_model_len_above_the_models_context_is_refused_before_loading(smollm2_files):
+    exe = Path(sys.executable).parent / "shardserve"
+    proc = subprocess.run([str(exe), "generate", "--model", str(smollm2_files.path), "--max-model-len", "100000",
+                           "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    line = _one_line_error(proc)
+    assert "--max-model-len 100000 is more than this model's context length, 8192 tokens" in line, line
+    assert "loading weights" not in proc.stderr
+
+
 def _one_line_error(proc) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("shardserve: error:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
