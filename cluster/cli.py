@@ -438,6 +438,9 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
               f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keys else ''}", flush=True)
         print(f"  OpenAI API: {scheme}://{local}:{ns.port}/v1  (health: /health, metrics: /metrics)", flush=True)
+        print(f"  context:    {health.get('max_model_len')} tokens per sequence, prompt + output ("
+              + ("--max-model-len" if cfg.max_model_len else "the model's limit or what the KV cache holds, the "
+                 "smaller; --kv-cache-gib raises the second") + ")", flush=True)
         for replica in health["replicas"]:
             print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference"
                   f"{', TLS' if cfg.grpc_tls_cert else ''})", flush=True)

@@ -194,7 +194,8 @@ class RouterCore:
             self._ready_or_503()
         except OpenAIError as err:
             return JSONResponse(dict(err.body(), replicas=replicas), status_code=err.status)
-        return JSONResponse({"status": "ok", "model": self.served_names[0], "replicas": replicas})
+        return JSONResponse({"status": "ok", "model": self.served_names[0],
+                             "max_model_len": self.pool.any_info().get("max_model_len"), "replicas": replicas})
 
     async def models(self, model_id: str | None = None) -> Response:
         """``GET /v1/models``: the list of the one served model; ``GET /v1/models/{model_id}``: its

@@ -100,6 +100,7 @@ def front(tmp_path_factory):
                  alive=lambda: proc.poll() is None)
         out = "".join(lines)
         assert f"https://127.0.0.1:{port}/v1" in out and "Application" not in out, out   # no early "is ready"
+        assert "context:    1024 tokens per sequence, prompt + output (--max-model-len)" in out, out
         logs = Path(re.search(r"\(logs: (\S+)\)", out).group(1))
         context = ssl.create_default_context(cafile=str(cert))
         yield Front(proc, port, [f"127.0.0.1:{grpc_port}", f"127.0.0.1:{grpc_port + 1}"], cert, key, context, logs,
