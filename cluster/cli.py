@@ -451,13 +451,51 @@ def _serve(ns: argparse.Namespace) -> int:
         print("shardserve: interrupted, shutting down", flush=True)
     finally:
         try:
-            if ns.address:
-                serve.delete(ns.app_name)   # leave the rest of a shared cluster alone
-            else:
-                serve.shutdown()
+            # ns.address: leave the rest of a shared cluster alone
+            _while_ray_lives(lambda: serve.delete(ns.app_name) if ns.address else serve.shutdown())
         finally:
             ray.shutdown()
     return 0
+
+
+def _while_ray_lives(shutdown) -> None:
+    """Run ``shutdown`` (a Serve shutdown) unless the Ray cluster's GCS stops answering meanwhile.
+
+    A SIGTERM to the whole process group (``kill -- -PGID``, systemd, a container runtime) stops
+    a local cluster's Ray processes together with this one; Serve's shutdown then waits 30 s for a
+    controller that is gone. Here the wait ends as soon as the GCS refuses connections."""
+    import socket
+    import threading
+
+    import ray
+
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+
+    def gcs_alive() -> bool:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    done, failure = threading.Event(), []
+
+    def run() -> None:
+        try:
+            shutdown()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="serve-shutdown", daemon=True).start()
+    while not done.wait(0.5):
+        if not gcs_alive():
+            print("shardserve: Ray's processes have stopped already (a signal to the whole process group)",
+                  flush=True)
+            return
+    if failure:
+        raise failure[0]
 
 
 def _deploy_failure(app_name: str, exc: Exception) -> str:

@@ -54,6 +54,7 @@ class ServeProcess:
     def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400) -> None:
         http_port, grpc_port = free_port(), free_port()
         self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        self.log_path = log_path   # the server's stderr
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(BIN / "shardserve"), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port), *flags],
@@ -99,4 +100,5 @@ class ServeProcess:
         if getattr(self, "channel", None) is not None:
             self.channel.close()
         stop_process_group(self.proc, signal.SIGINT, 60)   # never `ray stop`: other Rays run on this machine
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()

@@ -11,6 +11,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
+from pathlib import Path
 from urllib.parse import urlparse
 
 import psutil
@@ -99,3 +100,13 @@ def test_shard_worker_killed_during_four_streams_is_replaced_in_place(server):
     assert psutil.Process(rank0.pid).create_time() == rank0_started
     assert now["shard", 1].bundle_index == rank1.bundle_index and now["shard", 1].weight_loads == 1
     assert 'shardserve_worker_restarts_total{replica="0"} 1.0' in server.metrics()
+
+
+def test_sigterm_to_the_whole_process_group_shuts_down_without_waiting_on_dead_ray(server):
+    """systemd and container runtimes signal every process: the local Ray cluster stops with the
+    CLI, and the CLI must not wait out Serve's 30 s controller timeout (it took 37 s). Runs last:
+    it stops the module's server."""
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(25) == 0
+    stderr = Path(server.log_path).read_text()
+    assert "Controller failed to shut down" not in stderr and "Traceback" not in stderr, stderr[-3000:]
