@@ -21,8 +21,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -73,6 +75,10 @@ class FrontGuard:
 
         try:
             await self.app(scope, receive, watched_send)
+        except (ClientDisconnect, TaskCancelledError):
+            # The client left (before its body was read, or mid-stream: Serve then cancels the
+            # handler); the request was counted as cancelled and its blocks freed. Nobody to answer.
+            logger.info("client disconnected during %s %s", scope["method"], scope["path"])
         except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON
             logger.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             if not started:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,45 @@ def test_routing_errors_and_bad_unicode_are_openai_bodies_and_a_crash_is_a_json_
     (crashed,), _ = app_requests([("POST", "/v1/completions", BEARER, b"{}")], patch=crash)
     assert crashed.status_code == 500 and crashed.headers["content-type"] == "application/json"
     assert crashed.json()["error"]["type"] == "server_error" and "unexpected" not in crashed.text
+
+
+def test_a_client_that_leaves_is_not_an_error(caplog):
+    """A client gone before its body is read (Starlette's ClientDisconnect) or mid-stream (Serve
+    cancels the handler: TaskCancelledError) is logged at INFO, with nothing sent back; a real crash
+    still logs an ERROR (and answers a JSON 500)."""
+    from ray.exceptions import TaskCancelledError
+
+    from shardserve.cluster.openai_app import build_openai_app
+
+    async def scenario(generate, first_message: dict) -> list[dict]:
+        core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
+        core.generate = generate
+        app, sent = build_openai_app(core, []), []
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
+                 "root_path": "", "scheme": "http", "server": ("app", 80), "client": ("c", 1), "http_version": "1.1"}
+
+        async def receive():
+            return first_message
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent
+
+    async def cancelled(kind, body):
+        raise TaskCancelledError()
+
+    async def crash(kind, body):
+        raise RuntimeError("unexpected")
+
+    gone, body = {"type": "http.disconnect"}, {"type": "http.request", "body": b"{}", "more_body": False}
+    for generate, first, errors in [(crash, gone, 0), (cancelled, body, 0), (crash, body, 1)]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="shardserve.cluster.openai_app"):
+            sent = asyncio.run(scenario(generate, first))
+        assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == errors, caplog.text
+        if errors:
+            assert sent[0]["status"] == 500
+        else:
+            assert sent == [] and "client disconnected during POST /v1/completions" in caplog.text
