@@ -12,6 +12,7 @@ weight reload swaps changed tensors between steps (``cluster/weight_swap.py``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -150,29 +151,8 @@ class Coordinator:
                 except asyncio.TimeoutError:
                     await self._check_workers()
                 continue
-            if self._pipelined:
-                async with self._step_lock:
-                    await self._run_pipelined()
-                continue
             async with self._step_lock:
-                batch = self.core.schedule()
-                if not batch.plan.scheduled:
-                    await asyncio.sleep(0.001)
-                    continue
-                try:
-                    started = time.perf_counter()
-                    result = await asyncio.to_thread(self.group.execute, batch.plan)
-                    self._record_step(time.perf_counter() - started, result)
-                except WorkerDiedError as exc:
-                    await self._fail(str(exc))
-                    continue
-            self._publish(self.core.update(batch, result))
-            if self.core.speculator is not None:   # draft the next step's tokens
-                async with self._step_lock:
-                    try:
-                        await self.core.speculator.propose_async(self.core, batch, result)
-                    except WorkerDiedError as exc:
-                        await self._fail(str(exc))
+                await self._run_steps()
 
     @property
     def _pipelined(self) -> bool:
@@ -180,46 +160,51 @@ class Coordinator:
         last step's accepted tokens before the next step is planned)."""
         return self.core.speculator is None and self.group.can_pipeline
 
-    async def _run_pipelined(self) -> None:
-        """Async scheduling (vLLM's ``--async-scheduling``): the next step is scheduled and sent
-        before the running one's result is read, so rank 0 starts it as soon as it is done instead
-        of idling through the round trip (result back, update, schedule, plan out; about 2 ms per
-        CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is still being sampled
-        gets a placeholder that rank 0 fills with its own sample. Returns, with no step in flight,
-        when there is no work, the replica failed, or someone waits for a step boundary
-        (:meth:`_at_step_boundary`). Step lock held by the caller."""
-        pending = None   # (batch, submitted, started) of the step in flight
+    async def _run_steps(self) -> None:
+        """Run engine steps (``schedule -> execute on all ranks -> update``, then MTP drafting) until
+        there is no work, the replica failed, or someone waits for a step boundary
+        (:meth:`_at_step_boundary`); returns with no step in flight. Step lock held by the caller.
+
+        With async scheduling (vLLM's ``--async-scheduling``, :attr:`_pipelined`) the next step is
+        scheduled and sent before the running one's result is read, so rank 0 starts it as soon as
+        it is done instead of idling through the round trip (result back, update, schedule, plan
+        out; about 2 ms per CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is
+        still being sampled gets a placeholder that rank 0 fills with its own sample."""
+        depth = 2 if self._pipelined else 1   # steps in flight at most
+        in_flight: collections.deque[list] = collections.deque()   # [batch, submitted, started]
         while True:
-            batch = None
-            if self.healthy and not self._boundary_waiters and self._has_work():
+            nothing_to_run = False
+            if len(in_flight) < depth and self.healthy and not self._boundary_waiters and self._has_work():
                 batch = self.core.schedule()
-                if not batch.plan.scheduled:
-                    batch = None
-            submitted = None
-            if batch is not None:
+                nothing_to_run = not batch.plan.scheduled
+                if not nothing_to_run:
+                    try:
+                        in_flight.append([batch, self.group.submit(batch.plan), time.perf_counter()])
+                    except WorkerDiedError as exc:
+                        await self._fail(str(exc))
+                        return
+                    if len(in_flight) < depth:
+                        continue   # send the next one before reading this one
+            if not in_flight:
+                if nothing_to_run:   # work, but none schedulable now (e.g. no free blocks)
+                    await asyncio.sleep(0.001)
+                return
+            batch, submitted, started = in_flight.popleft()
+            try:
+                result = await asyncio.to_thread(self.group.collect, submitted)
+            except WorkerDiedError as exc:
+                await self._fail(str(exc))   # a step sent ahead failed with it: fail_all covers both
+                return
+            self._record_step(time.perf_counter() - started, result)
+            self._publish(self.core.update(batch, result))
+            if in_flight:
+                in_flight[0][2] = time.perf_counter()   # the step sent ahead starts when this one is back
+            if self.core.speculator is not None:   # draft the next step's tokens
                 try:
-                    started, submitted = time.perf_counter(), self.group.submit(batch.plan)
+                    await self.core.speculator.propose_async(self.core, batch, result)
                 except WorkerDiedError as exc:
                     await self._fail(str(exc))
                     return
-            if pending is not None:
-                done_batch, done_submitted, done_started = pending
-                try:
-                    result = await asyncio.to_thread(self.group.collect, done_submitted)
-                except WorkerDiedError as exc:
-                    await self._fail(str(exc))   # the step just sent failed with it: fail_all covers both
-                    return
-                self._record_step(time.perf_counter() - done_started, result)
-                self._publish(self.core.update(done_batch, result))
-                if submitted is not None:
-                    started = time.perf_counter()   # the step sent ahead starts when this one is back
-            elif batch is None:
-                if self.healthy and self._has_work() and not self._boundary_waiters:
-                    await asyncio.sleep(0.001)   # work, but none schedulable now (e.g. no free blocks)
-                return
-            pending = None if batch is None else (batch, submitted, started)
-            if pending is None:
-                return
 
     @contextlib.asynccontextmanager
     async def _at_step_boundary(self):

@@ -137,6 +137,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens once the steps in flight are back: :attr:`num_tokens` plus the placeholders."""
+        return self.num_tokens + self.num_placeholders
+
     def may_sample_more(self, max_model_len: int) -> bool:
         """False when the tokens in flight already reach ``max_tokens`` or ``max_model_len``: one
         more step would compute a token the length check is bound to drop."""
@@ -144,4 +149,4 @@ class Request:
             return True
         max_tokens = self.params.max_tokens
         return ((max_tokens is None or self.num_output_tokens + self.num_placeholders < max_tokens)
-                and self.num_tokens + self.num_placeholders < max_model_len)
+                and self.num_known_tokens < max_model_len)

@@ -126,7 +126,7 @@ class Scheduler:
                 continue
             # Draft tokens are computed like any other (verified in the same forward); so is a token
             # still being sampled by the step in flight (a placeholder).
-            num_new = min(_num_known(request) + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            num_new = min(request.num_known_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -174,7 +174,7 @@ class Scheduler:
                                                         request.state_slot))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
-            known = _num_known(request)
+            known = request.num_known_tokens
             # Drafts that did not fit the budget are dropped; the rest are verified and consumed.
             num_spec = max(0, start + num_new - known) if request.spec_token_ids else 0
             token_ids = request.all_token_ids[start:start + num_new - num_spec]
@@ -197,7 +197,3 @@ class Scheduler:
             batch.requests.append(request)
         return batch
 
-
-def _num_known(request: Request) -> int:
-    """Tokens of ``request`` once the steps in flight are back: its tokens plus its placeholders."""
-    return request.num_tokens + request.num_placeholders
