@@ -14,7 +14,7 @@ import torch
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 
 PROMPTS = ["Once upon a time", "The history of Rome", "In computer science, a hash table",
            "My favourite recipe is", "The weather today", "Dear friend,", "import numpy as np\n",

@@ -35,7 +35,7 @@ from bench_speculative import run as decode_run  # noqa: E402
 from plan_driver import PlanDriver, make_runner, recorded_indexer_calls  # noqa: E402
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
-from shardserve.cluster.request import SamplingParams  # noqa: E402
+from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
 from shardserve.workers.model_source import resolve_model  # noqa: E402
 from train_demo import MODEL_NAME, default_data_path, encode_corpus, split_tokens  # noqa: E402
 

@@ -24,7 +24,7 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
-from shardserve.cluster.request import SamplingParams  # noqa: E402
+from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
              layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],

@@ -259,9 +259,9 @@ def model_memory(gguf: Path, kv_cache_gib: float, max_tokens: int) -> dict:
     written pages show as RssShmem)."""
     code = f"""
 import gc, json
-from shardserve.cluster.engine import EngineCore
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.engine.engine import EngineCore
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.engine.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import load_config, resolve_model

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models"), str(ROOT / "tests" / 
 
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
-from shardserve.cluster.request import SamplingParams  # noqa: E402
+from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
 
 
 class CountingExecutor:
@@ -64,7 +64,7 @@ def run(path: Path, k: int, prompts: list[list[int]], new_tokens: int, truth=Non
     for _ in range(repeats):
         stats = None
         if k:                                               # count one measured run only
-            from shardserve.cluster.speculative import SpecStats
+            from shardserve.cluster.engine.speculative import SpecStats
 
             stats = llm.core.speculator.stats = SpecStats(k)
         counter.calls, start = 0, time.perf_counter()

@@ -16,9 +16,9 @@ import argparse
 import ray
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.worker_group import GroupConfig
 
 CONFIGS = [  # (tp, collective, dispatch)
     (1, None, "calls"), (1, None, "compiled"),

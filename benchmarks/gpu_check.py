@@ -180,7 +180,7 @@ def parity_smollm2(report: Report, device: str, steps: int) -> None:
 
     from shardserve.cluster.config import EngineArgs
     from shardserve.cluster.llm import LLM
-    from shardserve.cluster.request import SamplingParams
+    from shardserve.cluster.engine.request import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     llm = LLM(EngineArgs(model=str(files.path), device=device, dtype=dtype, kv_cache_gib=0.25, max_model_len=512,

@@ -26,7 +26,7 @@ def main() -> None:
 
     from shardserve.cluster.config import EngineArgs
     from shardserve.cluster.llm import LLM
-    from shardserve.cluster.request import SamplingParams
+    from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import resolve_model
 
     files = resolve_model(args.model)

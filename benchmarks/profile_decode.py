@@ -33,7 +33,7 @@ def main() -> None:
 
     from shardserve.cluster.config import EngineArgs
     from shardserve.cluster.llm import LLM
-    from shardserve.cluster.request import SamplingParams
+    from shardserve.cluster.engine.request import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,7 +17,7 @@ import sys
 
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
-from shardserve.cluster.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
+from shardserve.cluster.frontend.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -155,8 +155,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _group_config(ns: argparse.Namespace):
-    from shardserve.cluster.coordinator import default_cpus_per_worker
-    from shardserve.cluster.worker_group import GroupConfig
+    from shardserve.cluster.replica.coordinator import default_cpus_per_worker
+    from shardserve.cluster.replica.worker_group import GroupConfig
 
     tp = ns.tensor_parallel_size
     return GroupConfig(tensor_parallel_size=tp,
@@ -286,8 +286,8 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def _serve_grpc(ns: argparse.Namespace) -> int:
     import ray
 
-    from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
-    from shardserve.cluster.security import warn_if_exposed
+    from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
+    from shardserve.cluster.frontend.security import warn_if_exposed
     from shardserve.workers.model_source import check_model
 
     args, group, front = _engine_args(ns), _group_config(ns), _front_config(ns)
@@ -330,7 +330,7 @@ class ServeStartError(RuntimeError):
 def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
     """The app's arguments from ``serve``'s flags; ``read_keys=False`` leaves the API keys unread
     (``manifest``: keys reach the pods from a Secret, never through the manifest)."""
-    from shardserve.cluster.coordinator import default_cpus_per_worker
+    from shardserve.cluster.replica.coordinator import default_cpus_per_worker
     from shardserve.cluster.serve_app import ServeArgs
 
     tp = ns.tensor_parallel_size
@@ -393,7 +393,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardserve.cluster.security import check_tls_pair, warn_if_exposed
+    from shardserve.cluster.frontend.security import check_tls_pair, warn_if_exposed
     from shardserve.cluster.serve_app import build_app
     from shardserve.workers.model_source import resolve_model
 
@@ -570,7 +570,7 @@ def _manifest_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from shardserve.cluster.request import SamplingParams
+    from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import check_model
 
     # Everything that can be checked without the model is checked first (loading takes seconds).
@@ -602,7 +602,7 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     cluster (as ``serve-grpc``), one request, then everything is shut down."""
     import ray
 
-    from shardserve.cluster.coordinator import launch_coordinator, stop_coordinator
+    from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
 
     group = _group_config(ns)
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.engine import EngineCore
-from shardserve.cluster.request import Logprob, SamplingParams
-from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.engine.engine import EngineCore
+from shardserve.cluster.engine.request import Logprob, SamplingParams
+from shardserve.cluster.engine.scheduler import SchedulerConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from shardserve.cluster.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
+from shardserve.cluster.replica.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.device import resolve_device
 from shardserve.workers.model_runner import ModelRunner
@@ -60,7 +60,7 @@ class LLM:
         if drafter is not None and not args.speculative_tokens:
             raise ValueError("a drafter needs speculative_tokens >= 1")
         if args.speculative_tokens:
-            from shardserve.cluster.speculative import Speculator
+            from shardserve.cluster.engine.speculative import Speculator
 
             if self.drafter is None:   # MTP draft model in this process, on the same block ids
                 from shardserve.workers.draft_worker import DraftWorker
@@ -78,7 +78,7 @@ class LLM:
 
     def reload_weights(self, model: str | None = None) -> ReloadResult:
         """Hot-swap the weights that changed, in place, between :meth:`generate` calls (see
-        :mod:`cluster.weight_swap`); the prefix cache and every KV / indexer / draft cache are dropped.
+        :mod:`cluster.replica.weight_swap`); the prefix cache and every KV / indexer / draft cache are dropped.
 
         Args:
             model: the new checkpoint (default: the served files, changed on disk).

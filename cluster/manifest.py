@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from shardserve.cluster.security import check_tls_pair
+from shardserve.cluster.frontend.security import check_tls_pair
 from shardserve.cluster.serve_app import ServeArgs
 
 RAY_VERSION = "2.60.0"

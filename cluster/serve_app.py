@@ -4,23 +4,23 @@ Two kinds of deployments (``build_app`` wires them; ``serve_config.yaml`` and ``
 serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
 
 - ``ModelReplica{i}`` (one per data-parallel replica, ``num_replicas=1`` each): the Serve replica
-  *is* the replica's coordinator. It builds :class:`cluster.coordinator.Coordinator` in-process,
+  *is* the replica's coordinator. It builds :class:`cluster.replica.coordinator.Coordinator` in-process,
   which puts shard worker ``r`` in bundle ``r + 1`` of the replica's own placement group
   (``placement_group_bundles = [{"CPU": 1}] + [worker bundle] * tp``; bundle 0 holds the replica
   itself), so tensor parallelism needs no second, nested placement group. The engine loop and
   the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop.
-- ``OpenAIRouter`` (FastAPI ingress, the app of :func:`cluster.openai_app.build_openai_app`,
+- ``OpenAIRouter`` (FastAPI ingress, the app of :func:`cluster.frontend.openai_app.build_openai_app`,
   built on the replica after the router core): ``/v1/chat/completions``, ``/v1/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/docs``, ``POST /admin/reload_weights``
-  (:mod:`cluster.admin`). It learns each replica's gRPC address through its deployment handle and
+  (:mod:`cluster.frontend.admin`). It learns each replica's gRPC address through its deployment handle and
   forwards requests over the same gRPC API external clients use, to the replica with the fewest
-  outstanding tokens (see :mod:`cluster.openai_router`).
+  outstanding tokens (see :mod:`cluster.frontend.openai_router`).
 
 API keys (``api_key``, ``api_key_file`` or ``$SHARDSERVE_API_KEY``, resolved once by
 :func:`build_app`) guard the router's HTTP app (admin routes included) and every replica's gRPC
-server alike; see :mod:`cluster.security`.
+server alike; see :mod:`cluster.frontend.security`.
 
-A replica whose shard or draft worker dies repairs itself in place (``cluster/recovery.py``) and
+A replica whose shard or draft worker dies repairs itself in place (``cluster/replica/recovery.py``) and
 reports ``recovering`` meanwhile; only when that fails (``recovery_timeout``) does its health
 check fail, and Serve replaces the replica, as it does when the replica process itself dies.
 
@@ -49,11 +49,11 @@ from pathlib import Path
 from ray import serve
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.openai_app import OPEN_ROUTES, build_openai_app
-from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.replica_pool import FAILED, READY, RECOVERING
-from shardserve.cluster.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
+from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.replica_pool import FAILED, READY, RECOVERING
+from shardserve.cluster.frontend.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
+from shardserve.cluster.replica.worker_group import GroupConfig
 from shardserve.workers.model_source import DEFAULT_MODEL, check_model, known_model_names
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class ModelReplica:
     """
 
     async def __init__(self, args: dict, index: int) -> None:
-        from shardserve.cluster.coordinator import Coordinator
+        from shardserve.cluster.replica.coordinator import Coordinator
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.args, self.index = ServeArgs.from_dict(args), index
@@ -319,8 +319,8 @@ def _load_tokenizer(model: str):
 @serve.deployment(max_ongoing_requests=1024, max_surge_percent=100)
 @serve.ingress()
 class OpenAIRouter:
-    """The HTTP ingress (see :class:`cluster.openai_router.RouterCore` for the behaviour and
-    :func:`cluster.openai_app.build_openai_app` for the routes and the API-key guard).
+    """The HTTP ingress (see :class:`cluster.frontend.openai_router.RouterCore` for the behaviour and
+    :func:`cluster.frontend.openai_app.build_openai_app` for the routes and the API-key guard).
 
     The constructor returns once the tokenizer is loaded and every replica was asked for its
     status once, so a replacement router knows the serving replicas before it takes traffic.

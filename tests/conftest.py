@@ -63,7 +63,7 @@ class Replicas:
         self.groups: dict = {}
 
     def launch(self, args, group):
-        from shardserve.cluster.coordinator import launch_coordinator
+        from shardserve.cluster.replica.coordinator import launch_coordinator
 
         handle, pg = launch_coordinator(args, group)
         self.groups[handle] = pg
@@ -71,7 +71,7 @@ class Replicas:
 
     def stop(self, handle) -> None:
         """Shut a replica down and release its placement group (frees its CPUs for the next)."""
-        from shardserve.cluster.coordinator import stop_coordinator
+        from shardserve.cluster.replica.coordinator import stop_coordinator
 
         stop_coordinator(handle, self.groups.pop(handle), timeout_s=60)
 

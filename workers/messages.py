@@ -28,7 +28,7 @@ class NewRequestData:
 
     req_id: str                     # unique while the request lives
     sampling: SamplingOptions       # used by rank 0 only
-    state_slot: int | None = None   # recurrent-state slot (hybrid models, cluster/state_slots.py); None otherwise
+    state_slot: int | None = None   # recurrent-state slot (hybrid models, cluster/engine/state_slots.py); None otherwise
 
 
 PLACEHOLDER_TOKEN = -1   # a token_ids entry rank 0 fills with its last sample for the request (async scheduling)

@@ -3,7 +3,7 @@
 Beside the paged KV cache, every recurrent layer owns two tensors allocated by the runner's cache
 allocator (so they live where the KV cache lives): a causal-conv window ``[num_slots, C, W - 1]``
 and a matrix state ``[num_slots, Hv, K, V]`` float32. One slot holds one running sequence's state
-in every layer; the coordinator's :class:`cluster.state_slots.StateSlots` assigns it (sent in
+in every layer; the coordinator's :class:`cluster.engine.state_slots.StateSlots` assigns it (sent in
 :class:`NewRequestData`) and frees it with the request's blocks, like a block id.
 
 Invariants kept here, per step (vLLM's and SGLang's hybrid pools both had bugs on each):

@@ -8,9 +8,9 @@ import json
 import grpc
 import pytest
 
-from shardserve.cluster.admin import parse_reload, reload_weights
-from shardserve.cluster.openai_protocol import OpenAIError
-from shardserve.cluster.replica_pool import RECOVERING, ReplicaPool
+from shardserve.cluster.frontend.admin import parse_reload, reload_weights
+from shardserve.cluster.frontend.openai_protocol import OpenAIError
+from shardserve.cluster.frontend.replica_pool import RECOVERING, ReplicaPool
 from shardserve.proto import inference_pb2 as pb
 
 

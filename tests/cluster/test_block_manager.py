@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.request import Request, SamplingParams
+from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.request import Request, SamplingParams
 
 
 def make_request(tokens, rid="r"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shardserve.cluster import cli
-from shardserve.cluster.security import FrontConfig, bearer_matches, is_loopback, load_api_keys, warn_if_exposed
+from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, is_loopback, load_api_keys, warn_if_exposed
 
 # A numeric flag names its unit with one of these words (or is listed as unitless).
 UNITS = ("token", "GiB", "second", "request", "sequence", "rank", "CPU", "GPU", "port", "replica", "keys", "pod")

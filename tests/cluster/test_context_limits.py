@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.engine import EngineCore
-from shardserve.cluster.openai_protocol import engine_rejected
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.scheduler import SchedulerConfig
+from shardserve.cluster.engine.engine import EngineCore
+from shardserve.cluster.frontend.openai_protocol import engine_rejected
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.engine.scheduler import SchedulerConfig
 
 BLOCK, BLOCKS = 16, 6   # a 96-token pool
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import json
 import grpc
 import pytest
 
-from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.replica_pool import ReplicaPool
+from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.replica_pool import ReplicaPool
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.request import Request, RequestStatus, SamplingParams
-from shardserve.cluster.scheduler import Scheduler, SchedulerConfig
+from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.request import Request, RequestStatus, SamplingParams
+from shardserve.cluster.engine.scheduler import Scheduler, SchedulerConfig
 from shardserve.workers.messages import PLACEHOLDER_TOKEN
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.cluster.metrics import ServeMetrics, replica_info
-from shardserve.cluster.speculative import SpecStats
+from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
+from shardserve.cluster.engine.speculative import SpecStats
 from shardserve.proto import inference_pb2 as pb
 
 

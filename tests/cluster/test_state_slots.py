@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.engine import EngineCore
-from shardserve.cluster.request import Request, RequestStatus, SamplingParams
-from shardserve.cluster.scheduler import Scheduler, SchedulerConfig
-from shardserve.cluster.state_slots import StateSlots
+from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.engine import EngineCore
+from shardserve.cluster.engine.request import Request, RequestStatus, SamplingParams
+from shardserve.cluster.engine.scheduler import Scheduler, SchedulerConfig
+from shardserve.cluster.engine.state_slots import StateSlots
 
 
 def make_scheduler(num_slots=2, num_blocks=16, block_size=4, budget=64):

@@ -1,8 +1,8 @@
-"""The coordinator's sleep before reading a compiled-graph step result (cluster/step_timer.py)."""
+"""The coordinator's sleep before reading a compiled-graph step result (cluster/engine/step_timer.py)."""
 
 import pytest
 
-from shardserve.cluster.step_timer import SLEEP_FRACTION, StepTimer
+from shardserve.cluster.engine.step_timer import SLEEP_FRACTION, StepTimer
 from shardserve.workers.messages import ScheduledRequest, StepPlan
 
 

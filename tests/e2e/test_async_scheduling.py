@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.worker_group import GroupConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 from procs import wait_for

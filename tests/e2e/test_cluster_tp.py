@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.worker_group import GroupConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

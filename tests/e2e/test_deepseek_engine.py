@@ -12,8 +12,8 @@ import torch
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.worker_group import GroupConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from shardserve.workers.model_source import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -5,7 +5,7 @@ no work, full queues answer 429 after the other replica was tried, deadlines fre
 hostile bodies never get a 5xx, and the official clients work over TLS.
 
 The fuzz and the HTTP deadline also run in this process through the same app builder Serve runs
-(:func:`cluster.openai_app.build_openai_app`), wired to this server's real replicas over gRPC/TLS
+(:func:`cluster.frontend.openai_app.build_openai_app`), wired to this server's real replicas over gRPC/TLS
 with the key: fast, and every body that passes validation reaches a real engine."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from certs import self_signed_certificate
 from procs import BIN, free_port, stop_process_group, subprocess_env, wait_for
-from shardserve.cluster.openai_app import build_openai_app
-from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.security import FrontConfig
+from shardserve.cluster.frontend.openai_app import build_openai_app
+from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.security import FrontConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 

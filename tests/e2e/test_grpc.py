@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.worker_group import GroupConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 

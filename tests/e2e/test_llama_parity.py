@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +71,8 @@ def test_continuous_batch_equals_one_at_a_time(smollm2_llm, prompt_ids, hf_greed
 def test_batch_with_preemption_and_chunked_prefill(smollm2_llm, prompt_ids, hf_greedy):
     """A pool too small for all four requests at once, and a 16-token step budget: requests are
     preempted, recomputed and prefilled in chunks, yet produce the same tokens."""
-    from shardserve.cluster.engine import EngineCore
-    from shardserve.cluster.scheduler import SchedulerConfig
+    from shardserve.cluster.engine.engine import EngineCore
+    from shardserve.cluster.engine.scheduler import SchedulerConfig
 
     llm = smollm2_llm
     core = EngineCore(llm.runner, llm.tokenizer, num_blocks=12, block_size=llm.runner.block_size,

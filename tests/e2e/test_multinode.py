@@ -27,7 +27,7 @@ import pytest
 import yaml
 from procs import free_port, subprocess_env
 
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 

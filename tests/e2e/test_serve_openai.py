@@ -18,7 +18,7 @@ import grpc
 import openai
 import pytest
 
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.tokenizer import encode_chat
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
@@ -259,7 +259,7 @@ def test_bad_requests_get_error_bodies_before_any_stream_and_the_server_keeps_se
 
 
 def test_chat_template_is_applied_once(server, tokenizer):
-    from shardserve.cluster.openai_router import RouterCore
+    from shardserve.cluster.frontend.openai_router import RouterCore
 
     router = RouterCore(MODEL, [MODEL], [], load_tokenizer=lambda: None)
     bos = tokenizer.bos_token_id

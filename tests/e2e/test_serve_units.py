@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardserve.cluster.openai_protocol import OpenAIError, parse_chat, parse_completion
-from shardserve.cluster.openai_router import RouterCore
-from shardserve.cluster.replica_pool import NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.openai_protocol import OpenAIError, parse_chat, parse_completion
+from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.replica_pool import NoReplicaReady, ReplicaPool
 from shardserve.cluster.serve_app import ServeArgs, build_app
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -193,7 +193,7 @@ def app_requests(requests: list[tuple[str, str, dict, bytes | None]], api_keys=(
     through ASGI in this process; returns the ``httpx2`` responses."""
     import httpx2
 
-    from shardserve.cluster.openai_app import build_openai_app
+    from shardserve.cluster.frontend.openai_app import build_openai_app
 
     async def scenario():
         core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
@@ -266,7 +266,7 @@ def test_a_client_that_leaves_is_not_an_error(caplog):
     still logs an ERROR (and answers a JSON 500)."""
     from ray.exceptions import TaskCancelledError
 
-    from shardserve.cluster.openai_app import build_openai_app
+    from shardserve.cluster.frontend.openai_app import build_openai_app
 
     async def scenario(generate, first_message: dict) -> list[dict]:
         core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
@@ -293,7 +293,7 @@ def test_a_client_that_leaves_is_not_an_error(caplog):
     gone, body = {"type": "http.disconnect"}, {"type": "http.request", "body": b"{}", "more_body": False}
     for generate, first, errors in [(crash, gone, 0), (cancelled, body, 0), (crash, body, 1)]:
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="shardserve.cluster.openai_app"):
+        with caplog.at_level(logging.INFO, logger="shardserve.cluster.frontend.openai_app"):
             sent = asyncio.run(scenario(generate, first))
         assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == errors, caplog.text
         if errors:

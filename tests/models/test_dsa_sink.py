@@ -20,7 +20,7 @@ from plan_driver import PlanDriver, hf_logits, make_runner
 from tiny_checkpoints import load_hf_model, write_tiny_tokenizer
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 TOP_K = 8                                     # the tiny configs' index_topk

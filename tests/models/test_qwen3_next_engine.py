@@ -15,7 +15,7 @@ from plan_driver import make_runner
 from qwen3_next_script import NUM_STEPS, prompts, run_script
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from shardserve.workers.messages import (DraftBatch, DraftProposal, DraftResult, NewRequestData, SamplingOptions,
                                          ScheduledRequest, StepPlan)
 
@@ -90,7 +90,7 @@ def test_prefix_caching_is_off_and_preemption_recomputes(qwen3_next, expected, c
     preempts (freeing the slot) and recomputes without changing the output."""
     batch = [list(p) for p in expected]
     shared = [batch[2][:100] + batch[1], batch[2]]   # a 100-token common prefix
-    with caplog.at_level(logging.INFO, logger="shardserve.cluster.engine"):
+    with caplog.at_level(logging.INFO, logger="shardserve.cluster.engine.engine"):
         cached = make_llm(qwen3_next.path, enable_prefix_caching=True)
     assert "prefix caching is off" in caplog.text and not cached.core.block_manager.enable_prefix_caching
     uncached = make_llm(qwen3_next.path, enable_prefix_caching=False)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from tiny_checkpoints import mtp_block_model
 from shardserve.workers.messages import DraftBatch, DraftProposal, DraftResult
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.worker_group import GroupConfig
+from shardserve.cluster.replica.worker_group import GroupConfig
 from spec_helpers import BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

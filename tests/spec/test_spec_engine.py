@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.cluster.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams
 from spec_helpers import ARCHS, NUM_BLOCKS, StraightMTP, greedy, install_oracle, make_llm, prompts
 from tiny_checkpoints import tiny_token_text
 from shardserve.workers.model_source import ModelFiles, load_config

@@ -71,9 +71,9 @@ def _runner(path: str, split):
 def _generate(runner, path: str, k: int, group, batch: list[list[int]]) -> tuple[list[list[int]], int, int]:
     """Rank 0: an engine core over the TP=2 executor; returns (tokens per prompt, free blocks,
     draft tokens verified)."""
-    from shardserve.cluster.engine import EngineCore
-    from shardserve.cluster.scheduler import SchedulerConfig
-    from shardserve.cluster.speculative import Speculator
+    from shardserve.cluster.engine.engine import EngineCore
+    from shardserve.cluster.engine.scheduler import SchedulerConfig
+    from shardserve.cluster.engine.speculative import Speculator
     from shardserve.cluster.tokenizer import eos_token_ids, load_tokenizer
     from shardserve.workers.draft_worker import DraftWorker
 

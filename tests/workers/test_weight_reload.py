@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.llm import LLM
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.weight_swap import InvalidCheckpoint
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.replica.weight_swap import InvalidCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_checkpoints import load_hf_model, write_tiny_checkpoint, write_tiny_llama  # noqa: E402

@@ -31,7 +31,7 @@ def replica_info(model_info) -> dict:
 class _SpecDecodeCollector:
     """Per-replica speculative-decoding counters (vLLM's ``spec_decode`` metrics), from the last
     ModelInfo of each replica that speculates; the names match the coordinator's own exposition
-    (:meth:`cluster.speculative.SpecStats.prometheus_text`) plus a ``replica`` label."""
+    (:meth:`cluster.engine.speculative.SpecStats.prometheus_text`) plus a ``replica`` label."""
 
     def __init__(self) -> None:
         self.replicas: dict[str, dict] = {}

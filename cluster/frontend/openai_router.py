@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.cluster.metrics import ServeMetrics, replica_info
-from shardserve.cluster.openai_protocol import (
+from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
+from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
     timed_out, unavailable, usage_chunk)
-from shardserve.cluster.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
-from shardserve.cluster.security import FrontConfig
+from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.security import FrontConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -212,8 +212,8 @@ class RouterCore:
         return JSONResponse(card if model_id is not None else {"object": "list", "data": [card]})
 
     async def reload_weights(self, raw_body: bytes) -> Response:
-        """``POST /admin/reload_weights`` over every replica, one at a time (see :mod:`cluster.admin`)."""
-        from shardserve.cluster.admin import reload_weights
+        """``POST /admin/reload_weights`` over every replica, one at a time (see :mod:`cluster.frontend.admin`)."""
+        from shardserve.cluster.frontend.admin import reload_weights
 
         return await reload_weights(self.pool, raw_body, self._metadata)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 LOADING, READY, FAILED, UNREACHABLE = "loading", "ready", "failed", "unreachable"
-RECOVERING = "recovering"   # repairing a dead shard / draft worker in place (cluster/recovery.py)
+RECOVERING = "recovering"   # repairing a dead shard / draft worker in place (cluster/replica/recovery.py)
 
 
 class NoReplicaReady(RuntimeError):

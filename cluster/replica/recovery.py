@@ -27,8 +27,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from shardserve.cluster.weight_swap import swap_weights
-from shardserve.cluster.worker_group import RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.cluster.replica.weight_swap import swap_weights
+from shardserve.cluster.replica.worker_group import RemoteDrafter, WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ The rank side (digests of each rank's own slices, staging, in-place commit) is
 group, the MTP draft worker) stages; only when all of them staged does any of them commit, so a
 refused or failed reload leaves the old weights serving byte for byte. The coordinator pauses
 admission around it (``drain`` waits for running requests, ``abort`` ends them) and drops the
-prefix cache afterwards (see :meth:`cluster.coordinator.Coordinator.reload_weights`).
+prefix cache afterwards (see :meth:`cluster.replica.coordinator.Coordinator.reload_weights`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ as already computed). When the pool runs out of blocks the newest running reques
 requests in full once, then per-step diffs (tokens to compute, blocks added).
 
 Hybrid recurrent models (Qwen3-Next) also need a state slot per running request
-(:class:`cluster.state_slots.StateSlots`): taken on admission together with the blocks, given back
+(:class:`cluster.engine.state_slots.StateSlots`): taken on admission together with the blocks, given back
 wherever the blocks are (finish, abort, preemption; a preempted request is recomputed from
 position 0 on a fresh, zeroed slot).
 """
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.request import Request, RequestStatus
-from shardserve.cluster.state_slots import StateSlots
+from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.request import Request, RequestStatus
+from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, NewRequestData, ScheduledRequest, StepPlan
 
 

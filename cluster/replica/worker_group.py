@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardserve.cluster.ray_errors import root_cause
-from shardserve.cluster.step_timer import StepTimer
+from shardserve.cluster.engine.step_timer import StepTimer
 from shardserve.workers.distributed import collective_kind
 from shardserve.workers.draft_worker import DraftWorker
 from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult

@@ -5,7 +5,7 @@ The executor runs a :class:`workers.messages.StepPlan` and returns rank 0's
 process, or the Ray worker group in the cluster. Everything here is CPU-only bookkeeping:
 validation, scheduling, stop conditions, detokenization, finish reasons, usage.
 
-With a speculator (``cluster/speculative.py``) a step may return several tokens per request (the
+With a speculator (``cluster/engine/speculative.py``) a step may return several tokens per request (the
 accepted drafts plus one); they are appended one by one through the same stop checks, the output
 ends at the first stop, and the request's computed tokens roll back to what the caches hold.
 """
@@ -17,11 +17,11 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.detokenizer import IncrementalDetokenizer
-from shardserve.cluster.request import Logprob, Request, RequestStatus, SamplingParams
-from shardserve.cluster.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from shardserve.cluster.state_slots import StateSlots
+from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.engine.request import Logprob, Request, RequestStatus, SamplingParams
+from shardserve.cluster.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class EngineCore:
         scheduler_config: budgets; ``max_model_len`` is capped to what the pool can hold.
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         vocab_size: the model's vocabulary (prompt ids must be below it).
-        speculator: MTP speculative decoding (``cluster.speculative.Speculator``), or None.
+        speculator: MTP speculative decoding (``cluster.engine.speculative.Speculator``), or None.
         num_state_slots: recurrent-state slots of a hybrid model (every worker's
             ``num_state_slots``; 0: no recurrent layers). Prefix caching is turned off for such
             models: a cached prefix's KV blocks are useless without the recurrent state at its end.

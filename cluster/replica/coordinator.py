@@ -5,8 +5,8 @@ group, runs the asyncio engine loop (``schedule -> execute on all ranks -> updat
 the gRPC API from the same event loop. The blocking step runs in a thread so requests can be
 added and cancelled while the ranks compute; the core is only touched from the loop thread.
 If a rank or the draft worker dies, every in-flight request ends with an error at once, the
-replica reports itself unhealthy and repairs its workers in place (``cluster/recovery.py``); a
-weight reload swaps changed tensors between steps (``cluster/weight_swap.py``).
+replica reports itself unhealthy and repairs its workers in place (``cluster/replica/recovery.py``); a
+weight reload swaps changed tensors between steps (``cluster/replica/weight_swap.py``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import time
 from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.engine import EngineCore, RequestOutput
-from shardserve.cluster.recovery import probe_workers, repair_replica
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.scheduler import SchedulerConfig
-from shardserve.cluster.security import FrontConfig
+from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.replica.recovery import probe_workers, repair_replica
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.engine.scheduler import SchedulerConfig
+from shardserve.cluster.frontend.security import FrontConfig
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
-from shardserve.cluster.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
-from shardserve.cluster.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.cluster.replica.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
+from shardserve.cluster.replica.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
 from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.model_source import load_config, model_context_length, resolve_model
 
@@ -90,7 +90,7 @@ class Coordinator:
             raise
         self.drafter, speculator = self._start_drafter(args, group, pg), None
         if self.drafter is not None:
-            from shardserve.cluster.speculative import Speculator
+            from shardserve.cluster.engine.speculative import Speculator
 
             speculator = Speculator(self.drafter, args.speculative_tokens)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
@@ -262,7 +262,7 @@ class Coordinator:
         await asyncio.to_thread(self._stop_workers)
 
     async def _recover(self, cause: str) -> bool:
-        """Repair the workers in place (``cluster/recovery.py``); True when healthy again."""
+        """Repair the workers in place (``cluster/replica/recovery.py``); True when healthy again."""
         self.recovering = True
         try:
             report = await asyncio.to_thread(repair_replica, self.group, self.drafter, self.args.recovery_timeout)
@@ -301,7 +301,7 @@ class Coordinator:
 
     # -- weight reload ------------------------------------------------------------------------------
     async def reload_weights(self, model: str | None = None, mode: str | None = None) -> dict:
-        """Hot-swap the weights that changed (``cluster/weight_swap.py``): validate ``model``
+        """Hot-swap the weights that changed (``cluster/replica/weight_swap.py``): validate ``model``
         (default: the served files, changed on disk), pause admission at a step boundary, wait
         for running requests (``mode="drain"``) or end them (``"abort"``; requests that have not
         produced output yet are recomputed later instead), swap on every rank, drop every cache
@@ -488,7 +488,7 @@ class Coordinator:
     async def start_grpc(self, port: int = 50051, host: str = "127.0.0.1") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
         node's IP when bound to all interfaces)."""
-        from shardserve.cluster.grpc_server import start_grpc_server
+        from shardserve.cluster.replica.grpc_server import start_grpc_server
 
         self._ensure_loop()
         if self._grpc is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 
-from shardserve.cluster.request import Request
+from shardserve.cluster.engine.request import Request
 
 
 class StateSlots:

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shardserve.cluster.request import RequestStatus
+from shardserve.cluster.engine.request import RequestStatus
 from shardserve.workers.messages import DraftBatch, DraftRequest, DraftResult, NewRequestData, StepResult
 
 if TYPE_CHECKING:
-    from shardserve.cluster.engine import EngineCore
-    from shardserve.cluster.scheduler import ScheduledBatch
+    from shardserve.cluster.engine.engine import EngineCore
+    from shardserve.cluster.engine.scheduler import ScheduledBatch
 
 MAX_SPECULATIVE_TOKENS = 4
 

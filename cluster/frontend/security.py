@@ -11,7 +11,7 @@ rules:
 - Bind addresses: servers bind 127.0.0.1 unless told otherwise; a non-loopback bind without a key
   logs a warning.
 - Admission (``max_queued_requests`` waiting per replica) and deadlines (``request_timeout``) are
-  enforced by the coordinator (``cluster/coordinator.py``); the router maps them to 429 / 408.
+  enforced by the coordinator (``cluster/replica/coordinator.py``); the router maps them to 429 / 408.
 
 Sources: vLLM's ``--api-key`` (OpenAI-style bearer keys, ``/health`` open), RFC 6750 (bearer
 scheme, case-insensitive), gRPC's ``authorization`` metadata convention.

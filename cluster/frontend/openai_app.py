@@ -1,4 +1,4 @@
-"""The OpenAI front's HTTP app: its routes over a :class:`cluster.openai_router.RouterCore`, one
+"""The OpenAI front's HTTP app: its routes over a :class:`cluster.frontend.openai_router.RouterCore`, one
 guard around the whole app, and OpenAI error bodies for every failure.
 
 :func:`build_openai_app` makes the app Ray Serve runs (``OpenAIRouter.__serve_build_asgi_app__``)
@@ -28,8 +28,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shardserve.cluster.openai_protocol import OpenAIError, internal_error
-from shardserve.cluster.security import bearer_matches
+from shardserve.cluster.frontend.openai_protocol import OpenAIError, internal_error
+from shardserve.cluster.frontend.security import bearer_matches
 
 logger = logging.getLogger(__name__)
 OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})   # (method, path) served without a key
@@ -107,11 +107,11 @@ def build_openai_app(core, api_keys: list[str] | None = None) -> FastAPI:
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
     ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, ``POST /admin/reload_weights``
-    (:mod:`cluster.admin`), and FastAPI's ``/docs``,
+    (:mod:`cluster.frontend.admin`), and FastAPI's ``/docs``,
     ``/redoc`` and ``/openapi.json``. Add new routes here: the guard covers them either way.
 
     Args:
-        core: a :class:`cluster.openai_router.RouterCore` (started by the caller).
+        core: a :class:`cluster.frontend.openai_router.RouterCore` (started by the caller).
         api_keys: accepted bearer keys; empty or None = no authentication.
     """
     app = FastAPI(title="shardserve", summary="OpenAI-compatible API of a shardserve cluster")

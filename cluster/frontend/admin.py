@@ -4,7 +4,7 @@ The body is ``{"model": PATH, "mode": "drain" | "abort"}`` (both optional: the s
 on disk, and ``drain``). The router asks every replica in turn over gRPC ``ReloadWeights`` (one at
 a time, so the other replicas keep serving) and answers the first replica's counts with the
 total wall time; a checkpoint the first replica refuses is a 400 naming the first bad tensor, and
-no replica changed anything. The route is on the app of :func:`cluster.openai_app.build_openai_app`,
+no replica changed anything. The route is on the app of :func:`cluster.frontend.openai_app.build_openai_app`,
 so its API-key guard covers it like every other route; the calls to the replicas carry the
 router's key (their gRPC servers check it too).
 """
@@ -17,9 +17,9 @@ import time
 import grpc
 from starlette.responses import JSONResponse, Response
 
-from shardserve.cluster.openai_protocol import OpenAIError, bad_request, unavailable
-from shardserve.cluster.replica_pool import READY, ReplicaPool
-from shardserve.cluster.weight_swap import RELOAD_MODES
+from shardserve.cluster.frontend.openai_protocol import OpenAIError, bad_request, unavailable
+from shardserve.cluster.frontend.replica_pool import READY, ReplicaPool
+from shardserve.cluster.replica.weight_swap import RELOAD_MODES
 from shardserve.proto import inference_pb2 as pb
 
 _FIELDS = ("changed_tensors", "unchanged_tensors", "seconds", "weights_version", "aborted_requests")

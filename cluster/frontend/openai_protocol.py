@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from shardserve.cluster.request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from shardserve.cluster.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit

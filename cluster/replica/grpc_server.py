@@ -20,8 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardserve.cluster.request import SamplingParams
-from shardserve.cluster.security import FrontConfig, bearer_matches, warn_if_exposed
+from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, warn_if_exposed
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -101,7 +101,7 @@ def _deadline(context, request_timeout: float | None) -> float | None:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """Maps the proto API onto :class:`cluster.coordinator.Coordinator`."""
+    """Maps the proto API onto :class:`cluster.replica.coordinator.Coordinator`."""
 
     def __init__(self, coordinator, request_timeout: float | None = None) -> None:
         self.coordinator = coordinator
@@ -116,7 +116,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return self.coordinator.encode(text=request.text)
 
     async def Generate(self, request, context):
-        from shardserve.cluster.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
+        from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
 
         try:
             prompt_ids = self._prompt_ids(request)
@@ -152,7 +152,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ModelInfoResponse(**info, workers=workers)
 
     async def ReloadWeights(self, request, context):
-        from shardserve.cluster.coordinator import ReplicaUnavailable
+        from shardserve.cluster.replica.coordinator import ReplicaUnavailable
 
         try:
             result = await self.coordinator.reload_weights(request.model or None, request.mode or None)

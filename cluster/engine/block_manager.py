@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from shardserve.cluster.request import Request
+from shardserve.cluster.engine.request import Request
 
 
 @dataclass(slots=True)

@@ -111,7 +111,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     sent_to_workers: bool = False       # workers hold state for it (cleared on preemption)
     num_sent_blocks: int = 0            # how many of block_ids the workers have been told about
-    state_slot: int | None = None       # recurrent-state slot of hybrid models (cluster/state_slots.py)
+    state_slot: int | None = None       # recurrent-state slot of hybrid models (cluster/engine/state_slots.py)
     # Speculative decoding: draft tokens proposed after the last output token, verified (and then
     # cleared) by the next step that schedules this request; never part of the output until accepted.
     spec_token_ids: list[int] = field(default_factory=list)

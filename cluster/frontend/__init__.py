@@ -1,0 +1,1 @@
+"""The OpenAI/HTTP front: routes, request models, admission, API keys, metrics and the replica pool."""

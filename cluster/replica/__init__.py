@@ -1,0 +1,1 @@
+"""One model replica: the coordinator actor, its worker group, recovery, weight hot-swap and its gRPC server."""
