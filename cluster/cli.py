@@ -376,10 +376,10 @@ def _serve(ns: argparse.Namespace) -> int:
     from shardserve.workers.model_source import resolve_model
 
     cfg = _serve_args(ns)
-    cfg.validate()   # refuses a non-loopback --grpc-host without a key (unless --allow-unauthenticated)
-    check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
-    keyed = cfg.front_config().requires_key
+    keyed = bool(cfg.api_key_sha256)
     refuse_exposed(ns.host, keyed, ns.allow_unauthenticated, "--host")
+    cfg.validate()   # refuses a non-loopback --grpc-host without a key too (unless --allow-unauthenticated)
+    check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
     stop = _interrupt_event()
     num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
     if not ns.address:

@@ -26,13 +26,6 @@ from shardserve.cluster.frontend.security import (
 logger = logging.getLogger(__name__)
 
 
-def _rate_limit(text: str) -> tuple[int, int | None]:
-    try:
-        return parse_rate_limit(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def front_flags(parser: argparse.ArgumentParser) -> None:
     """Keys, roles, limits, deadlines, reload rules and gRPC TLS (``serve``, ``serve-grpc``, ``manifest``)."""
     parser.add_argument("--api-key-file", default=None,
@@ -61,7 +54,7 @@ def front_flags(parser: argparse.ArgumentParser) -> None:
                         help="characters of all prompts of one request at most, checked before tokenizing (400)")
     parser.add_argument("--max-choices", type=int, default=DEFAULT_MAX_CHOICES,
                         help="prompts x n of one request at most (400)")
-    parser.add_argument("--rate-limit", type=_rate_limit, default=None, metavar="REQUESTS[,TOKENS]",
+    parser.add_argument("--rate-limit", default=None, metavar="REQUESTS[,TOKENS]",
                         help="per API key and minute: requests, and optionally prompt + output tokens; over it "
                              "429 with Retry-After (default: no limit)")
     parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
@@ -92,8 +85,12 @@ def read_keys(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
     return api, admin
 
 
+def _rates(ns: argparse.Namespace) -> tuple[int | None, int | None]:
+    return parse_rate_limit(ns.rate_limit) if ns.rate_limit else (None, None)
+
+
 def limits(ns: argparse.Namespace) -> Limits:
-    requests, tokens = ns.rate_limit or (None, None)
+    requests, tokens = _rates(ns)
     return Limits(max_request_body_bytes=ns.max_request_body_bytes, max_prompt_chars=ns.max_prompt_chars,
                   max_choices=ns.max_choices, rate_limit_requests=requests, rate_limit_tokens=tokens)
 
@@ -125,7 +122,7 @@ def serve_args_fields(ns: argparse.Namespace, read: bool = True) -> dict:
               "allow_unauthenticated": ns.allow_unauthenticated, "allowed_model_root": ns.allowed_model_root,
               "reload_drain_timeout": ns.reload_drain_timeout, "max_request_body_bytes": ns.max_request_body_bytes,
               "max_prompt_chars": ns.max_prompt_chars, "max_choices": ns.max_choices}
-    requests, tokens = ns.rate_limit or (None, None)
+    requests, tokens = _rates(ns)
     fields.update(rate_limit_requests=requests, rate_limit_tokens=tokens)
     if read:
         api, admin = read_keys(ns)
