@@ -280,6 +280,7 @@ class RouterCore:
                 if parsed.model is not None and parsed.model not in self.served_names:
                     raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
                                       f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
+                self._check_limits(kind, parsed)
                 self._ready_or_503()
                 prompt_ids = await self._prompt_ids(kind, parsed)
                 charged = self._charge_tokens(caller, parsed, prompt_ids)
@@ -331,16 +332,24 @@ class RouterCore:
         if key is not None and charged:
             self.rates.settle(key, charged, used)
 
-    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> list[list[int]]:
-        """Every prompt's token ids: limits checked first (choices, characters), text tokenized on
-        the tokenizer threads, ids checked against the vocabulary (before any replica is leased).
+    def _check_limits(self, kind: str, parsed: ParsedRequest) -> None:
+        """Prompts x ``n`` and prompt characters (before anything is tokenized).
 
         Raises:
-            LimitExceeded: too many choices or characters. OpenAIError: 400 for a bad prompt.
+            LimitExceeded: 400.
+        """
+        self.limits.check_choices(len(parsed.prompts), parsed.n)
+        self.limits.check_prompt_chars(sum(prompt_chars(prompt) for prompt in parsed.prompts),
+                                       "messages" if kind == "chat" else "prompt")
+
+    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> list[list[int]]:
+        """Every prompt's token ids: text tokenized on the tokenizer threads, ids checked against
+        the vocabulary (before any replica is leased).
+
+        Raises:
+            OpenAIError: 400 for a bad prompt.
         """
         param = "messages" if kind == "chat" else "prompt"
-        self.limits.check_choices(len(parsed.prompts), parsed.n)
-        self.limits.check_prompt_chars(sum(prompt_chars(prompt) for prompt in parsed.prompts), param)
         prompt_ids = [await run_tokenizer(self._encode, kind, prompt) for prompt in parsed.prompts]
         vocab = self.pool.any_info().get("vocab_size") or _MAX_TOKEN_ID + 1
         for ids in prompt_ids:
