@@ -38,7 +38,7 @@ def front_flags(parser: argparse.ArgumentParser) -> None:
                         help="file with the admin key(s): the only credential of /admin/* and gRPC ReloadWeights "
                              f"(default: ${ADMIN_KEY_ENV}, else none: the admin API is off)")
     parser.add_argument("--admin-api-key", default=None,
-                        help=f"admin key(s), comma-separated; visible in ps: prefer --admin-api-key-file (default: none)")
+                        help="admin key(s), comma-separated; visible in ps: prefer --admin-api-key-file (default: none)")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         help="let the servers bind a non-loopback address without an API key")
     parser.add_argument("--allow-ray-without-auth", action="store_true",
