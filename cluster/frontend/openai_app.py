@@ -69,6 +69,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def _length_refusal(content_length: str | None, limit: int) -> tuple[OpenAIError, None] | None:
+    """413 for a declared body over ``limit`` bytes, 400 for a ``Content-Length`` that is no length."""
+    if content_length is None:
+        return None
+    if not content_length.strip().isdigit():
+        return OpenAIError(400, "the Content-Length header is not a number of bytes", "invalid_request_error"), None
+    if int(content_length) > limit:
+        too_large = LimitExceeded(f"the request body has more than {limit} bytes (--max-request-body-bytes)", 413)
+        return limit_error(too_large), None
+    return None
+
+
 class FrontGuard:
     """ASGI middleware: who calls and may they (keys, roles), the body-size limit, then the app,
     turning any exception it raises before answering into a 500 JSON body.
@@ -118,9 +130,8 @@ class FrontGuard:
         caller = self.front.identify(headers.get("authorization"))
         refusal = self._refusal(scope["method"], scope["path"], caller)
         limit = self.front.limits.max_request_body_bytes
-        if refusal is None and int(headers.get("content-length") or 0) > limit:
-            refusal = limit_error(LimitExceeded(f"the request body has more than {limit} bytes "
-                                                "(--max-request-body-bytes)", 413)), None
+        if refusal is None:
+            refusal = _length_refusal(headers.get("content-length"), limit)
         if refusal is not None:
             await error_response(*refusal)(scope, receive, send)
             return

@@ -587,18 +587,21 @@ class RouterCore:
             finally:
                 queue.put_nowait((index, None, 0))
 
-        tasks = []
+        # The first events are made before the pumps start (they change the choices), and the pumps
+        # start before anything is yielded: a client that reads nothing still fills the bounded queue.
+        opening = []
+        for index, choice in enumerate(run.choices):
+            if kind == "chat":
+                opening.append(_sse_data(chunk_body(kind, run.request_id, run.created, run.model, index, text="",
+                                                    role=True, include_usage=run.parsed.include_usage)))
+            first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
+                                        finish_reason=choice.finish_reason or "")
+            opening.append(self._event(run, index, first, 0))
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
         try:
-            for index, choice in enumerate(run.choices):
-                if kind == "chat":
-                    yield _sse_data(chunk_body(kind, run.request_id, run.created, run.model, index, text="",
-                                               role=True, include_usage=run.parsed.include_usage))
-                first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
-                                            finish_reason=choice.finish_reason or "")
-                event = self._event(run, index, first, 0)
+            for event in opening:
                 if event:
                     yield event
-            tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
             open_calls = len(tasks)
             while open_calls:
                 index, item, offset = await queue.get()

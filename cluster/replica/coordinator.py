@@ -26,7 +26,7 @@ from shardserve.cluster.engine.engine import EngineCore, RequestOutput
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
-from shardserve.cluster.frontend.limits import run_tokenizer
+from shardserve.cluster.frontend.limits import TOKENIZER_THREADS, run_tokenizer
 from shardserve.cluster.frontend.security import FrontConfig, key_digest
 from shardserve.cluster.replica.reload_guard import (
     SWAP_ALLOWANCE_S, ReloadRefused, allowed_root, checkpoint_under_root, cluster_reload_lock, lock_name)
@@ -420,9 +420,9 @@ class Coordinator:
 
         Raises:
             ValueError: a malformed prompt.
-            QueueFull: ``front.max_queued_requests`` tokenizations already wait or run.
+            QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
         """
-        if self._pending_tokenize >= self.front.max_queued_requests:
+        if self._pending_tokenize >= self.front.max_queued_requests + TOKENIZER_THREADS:
             raise QueueFull(f"{self._pending_tokenize} prompts are being tokenized on this replica "
                             f"(--max-queued-requests {self.front.max_queued_requests}); retry later")
         self._pending_tokenize += 1
