@@ -127,6 +127,19 @@ def test_https_certificate_without_its_key_is_one_line_and_exit_2():
     assert proc.returncode == 2 and proc.stderr == "shardserve: error: --ssl-certfile needs --ssl-keyfile too\n"
 
 
+@pytest.mark.parametrize("command", ["serve", "serve-grpc"])
+def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command):
+    """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDSERVE_API_KEY", "SHARDSERVE_ADMIN_API_KEY")}
+    proc = subprocess.run([str(Path(sys.executable).parent / "shardserve"), command, "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("shardserve: error: --host 0.0.0.0 would let anyone") and "--allow-unauthenticated" \
+        in proc.stderr
+
+
 def test_api_keys_come_from_the_flag_a_file_or_the_environment(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# operators\nk2\n\nk3\n")

@@ -21,6 +21,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import ssl
 import subprocess
 import threading
@@ -302,6 +303,19 @@ def test_limits_answer_413_400_and_429_before_any_token_is_computed(front):
     assert KEY3 not in json.dumps(after)   # ids, never keys
 
 
+def test_admission_counts_a_request_once_whatever_its_choices(front):
+    """One sequence and one waiting request per replica: a request of 3 choices still gets in (its
+    calls are one request to the replica's admission), on one replica, without a queue-full refusal."""
+    wait_idle(front)
+    before = front.metrics()
+    status, _, raw = front.request("POST", "/v1/completions", bearer(KEY),
+                                   json.dumps({"prompt": COUNT, "n": 3, "max_tokens": 2, "temperature": 0}).encode())
+    assert status == 200 and len(json.loads(raw)["choices"]) == 3, raw
+    after = front.metrics()
+    refusals = [k for k in after if k.startswith("shardserve_queue_full_rejections_total")]
+    assert all(after[k] == before.get(k, 0) for k in refusals)
+
+
 def test_an_overflowing_token_id_is_a_400_and_pays_its_routing_lease_back(front):
     """The verified 500 of issue 27: ``[[1099511627776]]`` raised after a replica was leased."""
     for prompt in ([[1099511627776]], [[-1]], [[49152]], [1, 2**31]):
@@ -511,10 +525,12 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_blocks_freed(fr
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "root_path": "",
                  "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")],
                  "scheme": "http", "server": ("app", 80), "client": ("c", 1), "http_version": "1.1"}
-        sent, stuck = [], asyncio.Event()
+        sent, stuck, bodies = [], asyncio.Event(), [{"type": "http.request", "body": body, "more_body": False}]
 
-        async def receive():
-            return {"type": "http.request", "body": body, "more_body": False}
+        async def receive():   # the body, then nothing: the client neither reads nor leaves
+            if bodies:
+                return bodies.pop()
+            await asyncio.Event().wait()
 
         async def send(message):
             sent.append(message)
@@ -661,11 +677,16 @@ def test_a_4mb_tokenize_does_not_stall_a_concurrent_stream(front):
         during = decode_gaps(channel)
         overlapped = not tokenize.done()
         tokenize.cancel()   # the thread finishes on its own; the stream's time is what is measured
-    tpot_alone, tpot_during = sum(alone) / len(alone), sum(during) / len(during)
-    print(f"TPOT alone {tpot_alone * 1e3:.1f} ms, during a 4 MB Tokenize {tpot_during * 1e3:.1f} ms "
-          f"(x{tpot_during / tpot_alone:.2f}); the longest gap {max(during) * 1e3:.0f} ms; overlapped: {overlapped}")
+    mean_alone, mean_during = sum(alone) / len(alone), sum(during) / len(during)
+    median_alone, median_during = statistics.median(alone), statistics.median(during)
+    print(f"TPOT alone {mean_alone * 1e3:.1f} ms (median {median_alone * 1e3:.1f}), during a 4 MB Tokenize "
+          f"{mean_during * 1e3:.1f} ms (median {median_during * 1e3:.1f}): x{mean_during / mean_alone:.2f} "
+          f"(median x{median_during / median_alone:.2f}); the longest gap {max(during) * 1e3:.0f} ms "
+          f"(on the event loop it was the whole tokenization); overlapped: {overlapped}")
     assert overlapped, "the Tokenize finished before the stream did: nothing was measured"
-    assert tpot_during <= 2 * tpot_alone
+    # NOTE: the median: on a shared 2-core machine other processes' bursts swing the mean (same-run
+    # ratio, generous bound; a stall of the loop would put the whole tokenization in one gap).
+    assert median_during <= 2 * median_alone and max(during) < 5.0
 
 
 def test_ctrl_c_stops_the_server_and_leaves_no_port_open(front):
