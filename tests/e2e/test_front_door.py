@@ -627,8 +627,19 @@ def test_routing_errors_limits_and_cancellation_are_answered_and_counted(front):
         status, headers, raw = front.request(method, path, bearer, body)
         assert status == expected and headers["content-type"] == "application/json", (path, raw)
         assert json.loads(raw)["error"]["code"] == code
+    hostile_headers = [{"Authorization": "Bearer " + "x" * 60_000}, {"Authorization": "Bearer \xff\xfe\x80"},
+                       {"Authorization": "bEaReR  " + KEY + " trailing"}, {"X-Padding": "y" * 60_000},
+                       dict(bearer, **{f"X-Many-{i}": "z" for i in range(300)}),
+                       dict(bearer, **{"Content-Length": "many"}), dict(bearer, **{"Content-Length": "-1"})]
+    for headers in hostile_headers:   # never a 5xx (issue 27 saw 503s): 4xx, or the connection refused
+        try:
+            status = front.request("POST", "/v1/completions", headers, b"{}")[0]
+        except (ConnectionError, http.client.HTTPException):
+            continue
+        assert 400 <= status < 500, (list(headers)[:2], status)
     with front.channel(1) as channel:   # gRPC: the same limits as HTTP
-        for sampling in (pb.SamplingParams(temperature=2.5), pb.SamplingParams(stop=list("abcde"))):
+        for sampling in (pb.SamplingParams(temperature=2.5), pb.SamplingParams(stop=list("abcde")),
+                         pb.SamplingParams(stop=["s" * 257])):
             with pytest.raises(grpc.RpcError) as err:
                 list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(text="x", sampling=sampling),
                                                              metadata=AUTH, timeout=60))

@@ -167,6 +167,23 @@ def test_app_arguments():
         ServeArgs.from_dict({"gpu_memory_utilization": 1.2})
 
 
+def test_no_key_reaches_serve_init_args_only_digests_do():
+    """Issue 27: the deployments' init args (visible in Serve's state and dashboard) hold SHA-256
+    digests, never a key; the replicas' handles and the router's args alike."""
+    from shardserve.cluster.frontend.security import key_digest
+
+    app = build_app({"api_key": "sk-plain-key", "admin_api_key": "sk-admin-plain", "data_parallel_size": 2})
+    router = app._bound_deployment
+    args, replicas = router.init_args
+    for raw in [args] + [replica._bound_deployment.init_args[0] for replica in replicas]:
+        text = json.dumps(raw)
+        assert "sk-plain-key" not in text and "sk-admin-plain" not in text
+        assert raw["api_key_sha256"] == [key_digest("sk-plain-key")]
+        assert raw["admin_api_key_sha256"] == [key_digest("sk-admin-plain")]
+    front = ServeArgs.from_dict(args).front_config()
+    assert front.identify("Bearer sk-plain-key").role == "client" and front.identify("Bearer sk-admin-plain").role == "admin"
+
+
 def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments(monkeypatch):
     monkeypatch.setenv("SHARDSERVE_API_KEY", "sk-from-the-secret")   # the pods' grpc_host 0.0.0.0 needs a key
     repo = Path(__file__).resolve().parents[2]
