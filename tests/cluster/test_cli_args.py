@@ -127,9 +127,9 @@ def test_https_certificate_without_its_key_is_one_line_and_exit_2():
     assert proc.returncode == 2 and proc.stderr == "shardserve: error: --ssl-certfile needs --ssl-keyfile too\n"
 
 
-@pytest.mark.parametrize("command", ["serve", "serve-grpc"])
-def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command):
-    """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started."""
+def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command="serve"):
+    """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started
+    (``serve-grpc`` alike: test_front_door_settings_are_checked_before_ray_starts)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDSERVE_API_KEY", "SHARDSERVE_ADMIN_API_KEY")}
