@@ -19,6 +19,7 @@ from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
 from shardserve.cluster.frontend.security import refuse_exposed
+from shardserve.cluster.scaling_cli import scaling_args_fields, scaling_flags, tcp_port
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -215,14 +216,6 @@ def _interrupt_event(stop=None):
     return stop
 
 
-def _port(text: str) -> int:
-    """argparse type of a TCP port: an integer in [0, 65535]."""
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is in [0, 65535], got {port}")
-    return port
-
-
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 
@@ -311,27 +304,28 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
     tp = ns.tensor_parallel_size
     return ServeArgs(
         model=ns.model_arg or ns.model, served_model_name=ns.served_model_name, tensor_parallel_size=tp,
-        data_parallel_size=ns.data_parallel_size, tensor_split=ns.tensor_split,
+        tensor_split=ns.tensor_split,
         cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(tp), gpus_per_worker=ns.gpus_per_worker,
         placement_strategy=ns.placement_strategy, cpu_collective=ns.cpu_collective, dispatch=ns.dispatch,
-        grpc_port=ns.grpc_port, grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
+        grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
         block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys))
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys),
+        **scaling_args_fields(ns))
 
 
-def _wait_until_serving(url: str, app_name: str, num_replicas: int, timeout_s: float) -> list[dict]:
-    """Poll the replicas (their Serve handles: this process is the Ray driver) until every one is
-    ready, then ``url`` (``/health``, open) until the router answers ``ok``; returns the replicas'
-    statuses (address, ModelInfo). The poll backs off to 2 s. HTTPS is not verified: this is our
-    own server on this machine, and nothing secret is sent.
+def _wait_until_serving(url: str, app_name: str, timeout_s: float) -> dict:
+    """Poll a replica (Serve's handle to ``ModelReplica``: this process is the Ray driver) until it
+    is ready, then ``url`` (``/health``, open) until the router answers ``ok``; returns that
+    replica's status (address, ModelInfo). The poll backs off to 2 s. HTTPS is not verified: this
+    is our own server on this machine, and nothing secret is sent.
 
     Raises:
-        ServeStartError: a replica failed to load. TimeoutError: not ready within ``timeout_s``.
+        ServeStartError: the replica failed. TimeoutError: not ready within ``timeout_s``.
     """
     import json
     import ssl
@@ -341,23 +335,24 @@ def _wait_until_serving(url: str, app_name: str, num_replicas: int, timeout_s: f
 
     from ray import serve
 
-    handles = [serve.get_deployment_handle(f"ModelReplica{i}", app_name) for i in range(num_replicas)]
+    from shardserve.cluster.frontend.replica_directory import REPLICA_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
     context = ssl._create_unverified_context() if url.startswith("https") else None
     deadline, last, pause = time.monotonic() + timeout_s, "no answer yet", 0.25
     while time.monotonic() < deadline:
         try:
-            statuses = [handle.status.remote().result(timeout_s=30) for handle in handles]
+            status = handle.status.remote().result(timeout_s=30)
         except Exception as exc:  # noqa: BLE001 - a replica still starting (or restarting)
-            statuses, last = [], f"{type(exc).__name__}: {exc}"
-        failed = [(i, s) for i, s in enumerate(statuses) if s["state"] == "failed"]
-        if failed:
-            raise ServeStartError(f"replica {failed[0][0]} failed to load: {failed[0][1]['error']} "
+            status, last = None, f"{type(exc).__name__}: {exc}"
+        if status is not None and status["state"] == "failed":
+            raise ServeStartError(f"replica {status.get('replica_id')} failed to load: {status['error']} "
                                   f"(logs: {ray_logs_dir()})")
-        if statuses and all(s["state"] == "ready" for s in statuses):
+        if status is not None and status["state"] == "ready":
             try:
                 with urllib.request.urlopen(url, timeout=5, context=context) as resp:
                     if json.loads(resp.read()).get("status") == "ok":
-                        return statuses
+                        return status
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code}"
             except (OSError, ValueError) as exc:
@@ -365,6 +360,13 @@ def _wait_until_serving(url: str, app_name: str, num_replicas: int, timeout_s: f
         time.sleep(pause)
         pause = min(2.0, pause * 1.5)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last}; logs: {ray_logs_dir()})")
+
+
+def _replicas_text(cfg) -> str:
+    """``"2 replica(s)"`` or ``"1-4 replicas (autoscaled)"``."""
+    if cfg.autoscaled:
+        return f"{cfg.min_num_replicas()}-{cfg.max_replicas} replicas (autoscaled)"
+    return f"{cfg.data_parallel_size} replica(s)"
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -381,12 +383,13 @@ def _serve(ns: argparse.Namespace) -> int:
     cfg.validate()   # refuses a non-loopback --grpc-host without a key too (unless --allow-unauthenticated)
     check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
     stop = _interrupt_event()
-    num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
+    num_workers = cfg.max_num_replicas() * (len(cfg.replica_bundles()) - 1)
     if not ns.address:
         cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, None)
     if not ns.address:   # a Serve app on a cluster of its own takes this machine's ports
         check_port_free(ns.host, ns.port, "--port")
         check_port_free(cfg.grpc_host, cfg.grpc_port, "--grpc-port")
+        check_port_free(cfg.grpc_host, cfg.replica_grpc_port, "--replica-grpc-port")
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
     _interrupt_event(stop)
@@ -403,7 +406,7 @@ def _serve(ns: argparse.Namespace) -> int:
     http_options = {"host": ns.host, "port": ns.port}
     if ns.ssl_certfile:
         http_options.update(ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile)
-    print(f"shardserve: loading {files.name} on {cfg.data_parallel_size} replica(s) of TP={cfg.tensor_parallel_size} "
+    print(f"shardserve: loading {files.name} on {_replicas_text(cfg)} of TP={cfg.tensor_parallel_size} "
           f"(logs: {ray_logs_dir()})", flush=True)
     try:
         # The proxy's access log would repeat the router's; the router logs every request but /health.
@@ -412,18 +415,22 @@ def _serve(ns: argparse.Namespace) -> int:
             serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
         except RuntimeError as exc:   # Serve gave up on a replica whose constructor kept failing
             raise ServeStartError(f"{_deploy_failure(ns.app_name, exc)} (logs: {ray_logs_dir()})") from None
-        replicas = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.app_name, cfg.data_parallel_size,
-                                       ns.ready_timeout)
+        replica = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.app_name, ns.ready_timeout)
+        grpc_address = serve.get_app_handle(ns.app_name).grpc_address.remote().result(timeout_s=30)
         print(f"shardserve: serving {cfg.served_names()[0]} ({files.path}) with TP={cfg.tensor_parallel_size} "
-              f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keyed else ''}", flush=True)
+              f"x {_replicas_text(cfg)}, routing {cfg.routing_policy().name}"
+              f"{' (API key required)' if keyed else ''}", flush=True)
         print(f"  OpenAI API: {scheme}://{local}:{ns.port}/v1  (health: /health, metrics: /metrics"
               f"{', admin: /admin/status' if cfg.front_config().admin_enabled else ''})", flush=True)
-        print(f"  context:    {replicas[0]['info'].get('max_model_len')} tokens per sequence, prompt + output ("
+        print(f"  context:    {replica['info'].get('max_model_len')} tokens per sequence, prompt + output ("
               + ("--max-model-len" if cfg.max_model_len else "the model's limit or what the KV cache holds, the "
                  "smaller; --kv-cache-gib raises the second") + ")", flush=True)
-        for index, replica in enumerate(replicas):
-            print(f"  gRPC API:   {replica['address']} (replica {index}, shardserve.v1.Inference"
+        if grpc_address:
+            print(f"  gRPC API:   {grpc_address} (shardserve.v1.Inference, health, reflection; routed like HTTP"
                   f"{', TLS' if cfg.grpc_tls_cert else ''})", flush=True)
+        print(f"  replicas:   own gRPC servers for direct access, e.g. {replica['address']} (replica "
+              f"{replica.get('replica_id')}){'; all on /admin/status' if cfg.front_config().admin_enabled else ''}",
+              flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         stop.wait()
         print("shardserve: shutting down", flush=True)
@@ -657,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(grpc_cmd)
     _cluster_flags(grpc_cmd)
     front_flags(grpc_cmd)
-    grpc_cmd.add_argument("--grpc-port", type=_port, default=50051, help="TCP port of the gRPC API; 0 = any free port")
+    grpc_cmd.add_argument("--grpc-port", type=tcp_port, default=50051, help="TCP port of the gRPC API; 0 = any free port")
     grpc_cmd.add_argument("--host", default="127.0.0.1",
                           help="interface the gRPC API binds (0.0.0.0: all; needs an API key or --allow-unauthenticated)")
     grpc_cmd.set_defaults(func=_serve_grpc)
@@ -688,11 +695,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     _engine_flags(parser)
     _cluster_flags(parser)
     front_flags(parser)
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="model replicas (each a TP group); requests go to the least-loaded one")
-    parser.add_argument("--port", type=_port, default=8000, help="TCP port of the OpenAI HTTP API")
-    parser.add_argument("--grpc-port", type=_port, default=50051,
-                        help="TCP port of replica 0's gRPC API (replica i: port + i); 0 = any free port")
+    scaling_flags(parser)
+    parser.add_argument("--port", type=tcp_port, default=8000, help="TCP port of the OpenAI HTTP API")
     parser.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
     parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
     parser.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")

@@ -20,11 +20,21 @@ What it writes (a ``ray.io/v1`` ``RayService`` and a ``networking.k8s.io/v1`` ``
 - ``serveService``: the OpenAI API Service; KubeRay owns its selector, so it follows the active
   cluster through a ``NewCluster`` upgrade (a ``rayClusterConfig`` change: a whole new cluster,
   traffic moves once its models are loaded, the old one is deleted after ``drain_timeout_s``).
+- The gRPC endpoint (``grpc_port``, served by the router): a ``router`` worker group of one pod that
+  only the router fits (Ray custom resource :data:`ROUTER_RESOURCE`, no CPUs for replicas), ready
+  once its router answers ``/health``, and a Service ``NAME-grpc`` selecting that pod. Through a
+  ``NewCluster`` upgrade the new cluster's router pod joins the Service once it is ready, and the
+  old one leaves when its cluster is deleted.
+- Autoscaling (``--min-replicas`` / ``--max-replicas``): the worker group starts with the pods of
+  ``min_replicas`` and KubeRay's in-tree autoscaler may grow it to those of ``max_replicas`` (plus
+  the surge pods): Serve's autoscaler adds a replica, its placement group waits for room, Ray's
+  autoscaler adds a pod; a replica removed leaves idle pods that go after ``idleTimeoutSeconds``.
 - Ray's control plane closed: token authentication through KubeRay's ``authOptions``; the dashboard
   binds the head pod's own address (``$(SHARDSERVE_POD_IP)``, never ``0.0.0.0``) and the Ray client
   port is not exposed; the ``NetworkPolicy`` lets only the cluster's own pods reach any port (GCS
   6379, dashboard 8265, workers, the replicas' gRPC), the KubeRay operator reach the dashboard, and
-  anyone reach the Serve port (the Service's port, guarded by the API key).
+  anyone reach the Serve port and, on the router pod, the gRPC endpoint's port (the Services' ports,
+  guarded by the API key).
 - Pods run as a non-root user (uid 1000, the images' ``shardserve``) with a restricted
   ``securityContext`` (no privilege escalation, every capability dropped, the runtime's seccomp
   profile) and no service-account token; only KubeRay's autoscaler sidecar, which scales the worker
@@ -54,7 +64,7 @@ from shardserve.cluster.serve_app import ServeArgs
 
 RAY_VERSION = "2.60.0"
 _ALWAYS_ARGS = ("model", "tensor_parallel_size", "data_parallel_size", "cpus_per_worker", "gpus_per_worker",
-                "placement_strategy", "grpc_host", "grpc_port", "drain_timeout_s")
+                "placement_strategy", "grpc_host", "grpc_port", "drain_timeout_s", "router_resource")
 _NCCL_ENV = {"NCCL_SOCKET_IFNAME": "eth0",   # the pod network interface carries NCCL's bootstrap/sockets
              "NCCL_DEBUG": "WARN"}
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")   # DNS-1035 label (KubeRay's rule for the name)
@@ -63,6 +73,8 @@ TLS_MOUNT = "/etc/shardserve/tls"                        # where --tls-secret is
 RUN_AS = 1000                                            # the images' non-root user (Dockerfile*)
 POD_IP_ENV = "SHARDSERVE_POD_IP"                         # the pod's own address (downward API)
 APP_LABEL = "shardserve.io/app"                          # on every pod of the generated cluster
+ROLE_LABEL = "shardserve.io/role"                        # "router" on the router's pod
+ROUTER_RESOURCE = "shardserve_router"                    # Ray resource only the router pod has
 _TOKEN_VOLUME = "kube-api-access"                        # the autoscaler's projected service-account token
 _TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 _OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
@@ -130,17 +142,19 @@ class Fit:
     workers_per_replica: int    # shard workers (+ the MTP draft worker) of one replica
     ranks_per_pod: int          # shard workers one pod holds
     pods_per_replica: int       # worker pods one replica spans
-    worker_pods: int            # worker pods serving
+    worker_pods: int            # worker pods serving (min_replicas' when autoscaled)
+    max_worker_pods: int        # worker pods max_replicas need (= worker_pods without autoscaling)
     surge_pods: int             # extra pods the autoscaler may add during an upgrade
     cpus_per_pod: int           # logical CPUs Ray sees on a worker pod
     gpus_per_pod: int
 
 
 def fit(args: ServeArgs, layout: PodLayout) -> Fit:
-    """Place ``data_parallel_size`` replicas of ``1 + workers`` bundles on worker pods.
+    """Place ``data_parallel_size`` (or ``min_replicas`` .. ``max_replicas``) replicas of
+    ``1 + workers`` bundles on worker pods.
 
     Each pod holds ``ranks_per_pod`` worker bundles plus spare CPUs for one coordinator (bundle 0,
-    ``{"CPU": 1}``) and the router; the head runs no model work.
+    ``{"CPU": 1}``); the router has a pod of its own and the head runs no model work.
 
     Raises:
         LayoutError: the pods cannot hold the replicas, or the GPU settings cannot work.
@@ -162,21 +176,26 @@ def fit(args: ServeArgs, layout: PodLayout) -> Fit:
     if strict_spread:
         per_pod = 1              # one bundle of a replica per node; its coordinator needs one more pod
     pods_per_replica = math.ceil(workers / per_pod) + (1 if strict_spread else 0)
-    needed = max(pods_per_replica, math.ceil(args.data_parallel_size * workers / per_pod))
+
+    def pods_for(replicas: int) -> int:
+        return max(pods_per_replica, math.ceil(replicas * workers / per_pod) + (replicas - 1 if strict_spread else 0))
+
+    needed = pods_for(args.min_num_replicas())
     pods = layout.worker_pods or needed
     if args.placement_strategy == "STRICT_PACK" and per_pod < workers:
         raise LayoutError(f"STRICT_PACK puts a replica's {workers} workers on one pod, which holds {per_pod}")
     if pods < needed:
         what = f"{gpus_per_pod} GPUs" if gpu else f"{per_pod} workers"
-        raise LayoutError(f"layout does not fit: TP={args.tensor_parallel_size} x {args.data_parallel_size} "
+        replicas = args.min_num_replicas()
+        raise LayoutError(f"layout does not fit: TP={args.tensor_parallel_size} x {replicas} "
                           f"replica(s) need {needed} worker pod(s) of {what}, got {pods}"
-                          + (f" ({args.data_parallel_size * workers * gpu:g} GPUs needed, "
+                          + (f" ({replicas * workers * gpu:g} GPUs needed, "
                              f"{pods * gpus_per_pod} in the pods)" if gpu else ""))
-    spare = math.ceil(per_pod / workers) + math.ceil(args.router_cpus)   # coordinators and the router
+    spare = math.ceil(per_pod / workers)   # the coordinators (bundle 0 of each replica)
     surge = pods_per_replica if layout.surge_pods is None else layout.surge_pods
     if surge < 0:
         raise LayoutError(f"--surge-pods must be >= 0, got {surge}")
-    return Fit(workers, per_pod, pods_per_replica, pods, surge,
+    return Fit(workers, per_pod, pods_per_replica, pods, max(pods, pods_for(args.max_num_replicas())), surge,
                math.ceil(per_pod * args.cpus_per_worker + spare), int(gpus_per_pod))
 
 
@@ -198,10 +217,10 @@ def _validate(args: ServeArgs, layout: PodLayout) -> None:
                             grpc_host="127.0.0.1").validate()
     except ValueError as exc:
         raise LayoutError(str(exc)) from exc
-    _check_keys(layout)
+    _check_keys(args, layout)
 
 
-def _check_keys(layout: PodLayout) -> None:
+def _check_keys(args: ServeArgs, layout: PodLayout) -> None:
     """Secure defaults: a key Secret unless ``allow_unauthenticated``; a LoadBalancer (reachable from
     outside the cluster) needs a key and HTTPS.
 
@@ -214,6 +233,9 @@ def _check_keys(layout: PodLayout) -> None:
     if layout.service_type == "LoadBalancer" and not (layout.api_key_secret and layout.ssl_certfile):
         raise LayoutError("--service-type LoadBalancer exposes the API outside the cluster: it needs "
                           "--api-key-secret and HTTPS (--tls-secret with --ssl-certfile/--ssl-keyfile)")
+    if layout.service_type == "LoadBalancer" and args.grpc_port and not args.grpc_tls_cert:
+        raise LayoutError("--service-type LoadBalancer exposes the gRPC endpoint outside the cluster too: it needs "
+                          "TLS (--grpc-tls-cert/--grpc-tls-key under --tls-secret's mount)")
 
 
 def app_args(args: ServeArgs) -> dict:
@@ -228,7 +250,7 @@ def app_args(args: ServeArgs) -> dict:
 
 
 def _app_args_for(args: ServeArgs, layout: PodLayout) -> dict:
-    out = app_args(args)
+    out = app_args(dataclasses.replace(args, router_resource=ROUTER_RESOURCE))   # the router on its own pod
     if layout.allow_unauthenticated:
         out["allow_unauthenticated"] = True   # the gRPC servers bind 0.0.0.0 without a key
     return out
@@ -335,9 +357,40 @@ def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     group = "gpu-workers" if placed.gpus_per_pod else "cpu-workers"
     return {"groupName": group, "replicas": placed.worker_pods, "minReplicas": placed.worker_pods,
-            "maxReplicas": placed.worker_pods + placed.surge_pods,
+            "maxReplicas": placed.max_worker_pods + placed.surge_pods,
             "rayStartParams": {"num-cpus": str(placed.cpus_per_pod)},
             "template": {"metadata": {"labels": {APP_LABEL: layout.name}}, "spec": spec}}
+
+
+def _router_group(args: ServeArgs, layout: PodLayout) -> dict:
+    """One pod for the router alone: Ray sees no CPU there (no replica lands on it) and two units
+    of :data:`ROUTER_RESOURCE` (the router and its replacement during an upgrade). Ready once the
+    router answers ``/health``, so the gRPC Service only sends to a router that serves."""
+    volumes, mounts = _volumes(layout, "1Gi")
+    cpus = str(max(1, math.ceil(2 * args.router_cpus)))
+    resources = {"cpu": cpus, "memory": layout.head_memory}
+    container = {
+        "name": "ray-worker", "image": layout.image, **_env(args, layout),
+        "ports": [{"containerPort": layout.http_port, "name": "serve"}]
+        + ([{"containerPort": args.grpc_port, "name": "grpc"}] if args.grpc_port else []),
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": mounts, "securityContext": _restricted(),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": layout.http_port,
+                                       **({"scheme": "HTTPS"} if layout.ssl_certfile else {})},
+                           "periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 2}}
+    labels = {APP_LABEL: layout.name, ROLE_LABEL: "router"}
+    return {"groupName": "router", "replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+            "rayStartParams": {"num-cpus": "0", "resources": f'"{{\\"{ROUTER_RESOURCE}\\": 2}}"'},
+            "template": {"metadata": {"labels": labels}, "spec": _pod_spec([container], volumes)}}
+
+
+def grpc_service(args: ServeArgs, layout: PodLayout) -> dict:
+    """The Service of the app's one gRPC endpoint: the router pod's ``grpc_port``."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{layout.name}-grpc"},
+            "spec": {"type": layout.service_type,
+                     "selector": {APP_LABEL: layout.name, ROLE_LABEL: "router"},
+                     "ports": [{"name": "grpc", "port": args.grpc_port, "targetPort": args.grpc_port,
+                                "appProtocol": "grpc"}]}}
 
 
 def rayservice(args: ServeArgs, layout: PodLayout) -> dict:
@@ -353,10 +406,12 @@ def rayservice(args: ServeArgs, layout: PodLayout) -> dict:
         raise LayoutError("the API key must not be written into a manifest: put it in a Secret and pass "
                           "--api-key-secret NAME")
     placed = fit(args, layout)
+    autoscaled = bool(placed.surge_pods) or placed.max_worker_pods > placed.worker_pods
+    groups = [_worker_group(args, layout, placed), _router_group(args, layout)]
     cluster: dict = {"rayVersion": RAY_VERSION, "authOptions": {"mode": "token"},
-                     "headGroupSpec": _head(args, layout, autoscaled=bool(placed.surge_pods)),
-                     "workerGroupSpecs": [_worker_group(args, layout, placed)]}
-    if placed.surge_pods:
+                     "headGroupSpec": _head(args, layout, autoscaled=autoscaled),
+                     "workerGroupSpecs": groups}
+    if autoscaled:
         cluster["enableInTreeAutoscaling"] = True
         cluster["autoscalerOptions"] = {"idleTimeoutSeconds": 120, "upscalingMode": "Default",
                                         "securityContext": _restricted(),
@@ -384,6 +439,16 @@ _Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
     "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
 
 
+def grpc_network_policy(args: ServeArgs, layout: PodLayout) -> dict:
+    """The router pod's extra ``NetworkPolicy``: its gRPC endpoint (the ``NAME-grpc`` Service's port)
+    from anywhere, guarded by the API key. The replicas' own gRPC servers stay closed to the outside."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{layout.name}-grpc"},
+            "spec": {"podSelector": {"matchLabels": {APP_LABEL: layout.name, ROLE_LABEL: "router"}},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": args.grpc_port}]}]}}
+
+
 def network_policy(layout: PodLayout) -> dict:
     """The ``NetworkPolicy`` of the generated cluster's pods (label :data:`APP_LABEL`): every port
     from the cluster's own pods (Ray's GCS, dashboard, object and worker ports, the replicas'
@@ -408,17 +473,22 @@ def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
     doc = rayservice(args, layout)
     placed = fit(args, layout)
     gpu = f", {args.worker_gpus():g} GPU" if args.worker_gpus() else ""
+    pods = (f"{placed.worker_pods}" if placed.max_worker_pods == placed.worker_pods
+            else f"{placed.worker_pods}-{placed.max_worker_pods}")
+    replicas = (f"{args.min_num_replicas()}-{args.max_replicas} replicas (autoscaled)" if args.autoscaled
+                else f"{args.data_parallel_size} replica(s)")
     lines = [
         "# Generated by `shardserve manifest` from the arguments of `shardserve serve`; do not edit, regenerate:",
         f"#   {command}",
-        f"# {args.data_parallel_size} replica(s) of {args.model} at TP={args.tensor_parallel_size} "
+        f"# {replicas} of {args.model} at TP={args.tensor_parallel_size} "
         f"({args.placement_strategy}); each rank {args.cpus_per_worker:g} CPU{gpu}.",
-        f"# {placed.worker_pods} worker pod(s) of {placed.ranks_per_pod} rank(s), {placed.cpus_per_pod} CPUs"
+        f"# {pods} worker pod(s) of {placed.ranks_per_pod} rank(s), {placed.cpus_per_pod} CPUs"
         + (f", {placed.gpus_per_pod} GPUs" if placed.gpus_per_pod else "")
         + f"; one replica spans {placed.pods_per_replica} pod(s); up to {placed.surge_pods} surge pod(s) "
-        "while an upgraded replica loads.",
-        f"# OpenAI API: Service {layout.name}-openai, port {layout.http_port}. Needs the KubeRay operator "
-        "(ray.io/v1 CRDs with authOptions).",
+        "while an upgraded replica loads; one pod for the router.",
+        f"# OpenAI API: Service {layout.name}-openai, port {layout.http_port}"
+        + (f"; gRPC: Service {layout.name}-grpc, port {args.grpc_port}" if args.grpc_port else "")
+        + ". Needs the KubeRay operator (ray.io/v1 CRDs with authOptions).",
     ]
     if layout.api_key_secret:
         secret = layout.api_key_secret.partition(":")
@@ -430,6 +500,8 @@ def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
         secret = layout.admin_api_key_secret.partition(":")
         lines.append(f"# Admin key: kubectl create secret generic {secret[0]} "
                      f"--from-literal={secret[2] or 'admin-api-key'}=...")
-    body = yaml.dump_all([doc, network_policy(layout)], Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                         width=120)
+    docs = [doc, network_policy(layout)]
+    if args.grpc_port:
+        docs += [grpc_service(args, layout), grpc_network_policy(args, layout)]
+    body = yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
     return "\n".join(lines) + "\n" + body

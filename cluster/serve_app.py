@@ -1,43 +1,52 @@
-"""Ray Serve application: an OpenAI-compatible HTTP front over tensor-parallel model replicas.
+"""Ray Serve application: an OpenAI-compatible HTTP front (and one gRPC endpoint) over
+tensor-parallel model replicas.
 
-Two kinds of deployments (``build_app`` wires them; ``serve_config.yaml`` and ``shardserve
-serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
+Two deployments (``build_app`` wires them; ``serve_config.yaml`` and ``shardserve serve`` both deploy
+``shardserve.cluster.serve_app:build_app``):
 
-- ``ModelReplica{i}`` (one per data-parallel replica, ``num_replicas=1`` each): the Serve replica
-  *is* the replica's coordinator. It builds :class:`cluster.replica.coordinator.Coordinator` in-process,
-  which puts shard worker ``r`` in bundle ``r + 1`` of the replica's own placement group
-  (``placement_group_bundles = [{"CPU": 1}] + [worker bundle] * tp``; bundle 0 holds the replica
-  itself), so tensor parallelism needs no second, nested placement group. The engine loop and
-  the gRPC server (``shardserve.v1.Inference``) run on the replica's event loop.
+- ``ModelReplica``: one deployment whose Serve replicas are the model replicas, as many as
+  ``data_parallel_size`` or, with ``max_replicas``, as Serve's autoscaler asks for
+  (:mod:`cluster.autoscaling`: ``min_replicas`` .. ``max_replicas`` on the requests the replicas
+  hold, ``target_ongoing_requests`` each). Each Serve replica *is* a replica's coordinator: it
+  builds :class:`cluster.replica.coordinator.Coordinator` in-process, which puts shard worker ``r``
+  in bundle ``r + 1`` of the replica's own placement group (``placement_group_bundles = [{"CPU":
+  1}] + [worker bundle] * tp``; bundle 0 holds the replica itself), so tensor parallelism needs no
+  second, nested placement group. The engine loop and a gRPC server (``shardserve.v1.Inference``,
+  for direct access on ``replica_grpc_port``) run on the replica's event loop. Each replica reports
+  to Serve its routing stats (gRPC address, state, load, prefix-cache counters), its load for the
+  autoscaler, and streams its prefix-cache events to the router on request.
 - ``OpenAIRouter`` (FastAPI ingress, the app of :func:`cluster.frontend.openai_app.build_openai_app`,
   built on the replica after the router core): ``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``, ``/docs``, ``POST /admin/reload_weights``
-  (:mod:`cluster.frontend.admin`). It learns each replica's gRPC address through its deployment handle and
-  forwards requests over the same gRPC API external clients use, to the replica with the fewest
-  outstanding tokens (see :mod:`cluster.frontend.openai_router`).
+  ``/v1/models``, ``/health``, ``/metrics``, ``/docs``, ``/admin/*`` (:mod:`cluster.frontend.admin`),
+  and the app's one gRPC endpoint on ``grpc_port`` (:mod:`cluster.frontend.grpc_front`). It learns
+  the replicas from Serve (:mod:`cluster.frontend.replica_directory`: ``ModelReplica``'s request
+  router hands it the running replicas and their routing stats), chooses one per request
+  (:mod:`cluster.routing`: prefix-aware with a load guard, or least-loaded) and forwards the
+  request over the gRPC API external clients use.
 
 API keys (``api_key_file``, ``api_key`` or ``$SHARDSERVE_API_KEY``; admin keys likewise with
 ``admin_``) are read once, by :func:`build_app`, and only their SHA-256 digests travel to the
 deployments (``api_key_sha256`` / ``admin_api_key_sha256``: no key in Serve's init args); they
-guard the router's HTTP app and every replica's gRPC server alike. The router calls each replica
-with the internal token that replica made at start-up and reports in :meth:`ModelReplica.status`;
-see :mod:`cluster.frontend.security`.
+guard the router's HTTP app, its gRPC endpoint and every replica's gRPC server alike. The router
+calls each replica with the internal token that replica made at start-up and reports in
+:meth:`ModelReplica.status` (a Serve call routed to that replica, never routing stats); see
+:mod:`cluster.frontend.security`.
 
 A replica whose shard or draft worker dies repairs itself in place (``cluster/replica/recovery.py``) and
 reports ``recovering`` meanwhile; only when that fails (``recovery_timeout``) does its health
 check fail, and Serve replaces the replica, as it does when the replica process itself dies.
 
-One deployment per data-parallel replica (rather than ``num_replicas=N``) gives the router a
-handle per replica, hence every replica's gRPC address, without a registry actor.
-
-Rolling upgrades (``serve deploy`` of a changed config, hence RayService ``serveConfigV2`` edits):
-Serve counts a replica as running once its constructor returns, so both constructors return only
-when the replica can serve (the model loaded and the gRPC server up; the router's tokenizer
-loaded and its replicas polled once), and raise when it cannot: a config whose model cannot load
-never takes traffic. ``max_surge_percent=100`` makes Serve start the replacement before it stops
-the old replica, and keeps the old one when the new one fails to start. A stopping model replica
-drains: it refuses new requests (the router retries them on the replacement) and finishes its
-running ones within ``drain_timeout_s`` (``graceful_shutdown_timeout_s`` leaves room for it).
+Rolling upgrades (``serve deploy`` of a changed config, hence RayService ``serveConfigV2`` edits),
+scale-up and scale-down: Serve lists a replica (and the router routes to it) only once its
+constructor has returned, and both constructors return only when the replica can serve (the model
+loaded and the gRPC server up; the router's tokenizer loaded and its replicas polled once), and
+raise when it cannot: a config whose model cannot load never takes traffic. ``max_surge_percent=100``
+makes Serve start the replacement before it stops the old replica, and keeps the old one when the
+new one fails to start. A stopping model replica drains: Serve drops it from the list at once (the
+router sends it nothing new), it refuses new requests (the router retries them elsewhere) and
+finishes its running ones within ``drain_timeout_s`` (``graceful_shutdown_timeout_s`` leaves room
+for it). Settings only the router reads (routing, the gRPC endpoint, autoscaling bounds) are not
+among the replicas' init args, so changing them leaves the replicas running.
 """
 
 from __future__ import annotations
@@ -51,9 +60,11 @@ from pathlib import Path
 
 from ray import serve
 
+from shardserve.cluster.autoscaling import ONGOING_REQUESTS, autoscaling_config, push_interval_env
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.replica_directory import REPLICA_DEPLOYMENT, ServeReplicas
 from shardserve.cluster.frontend.replica_pool import FAILED, READY, RECOVERING
 from shardserve.cluster.frontend.limits import (
     DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits)
@@ -61,11 +72,18 @@ from shardserve.cluster.frontend.security import (
     DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_RELOAD_DRAIN_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, FrontConfig, key_digest,
     load_admin_keys, load_api_keys, refuse_exposed)
 from shardserve.cluster.replica.worker_group import GroupConfig
+from shardserve.cluster.routing import DEFAULT_LOAD_MARGIN, LEAST_LOADED, PREFIX_AWARE, ROUTING_POLICIES, RoutingPolicy
 from shardserve.workers.model_source import DEFAULT_MODEL, check_model, known_model_names
 
 logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _SHUTDOWN_MARGIN_S = 30.0   # after the drain: stop the gRPC server and the ranks
+ROUTING_STATS_PERIOD_S = 1.0   # how often Serve asks each replica for its routing stats
+# Settings only the router (or Serve's deployment options) read: left out of the replicas' init
+# args, so that changing them does not restart the replicas.
+ROUTER_ONLY = ("served_model_name", "data_parallel_size", "min_replicas", "max_replicas", "target_ongoing_requests",
+               "upscale_delay_s", "downscale_delay_s", "autoscaling_look_back_s", "routing", "routing_load_margin",
+               "grpc_port", "router_cpus", "router_resource")
 
 
 @dataclass(slots=True)
@@ -75,16 +93,29 @@ class ServeArgs:
     Attributes:
         model: known model name, ``.gguf`` file or HF checkpoint folder.
         served_model_name: the name clients use (default: the model's name).
-        tensor_parallel_size: shard workers per replica. data_parallel_size: replicas.
+        tensor_parallel_size: shard workers per replica. data_parallel_size: replicas (fixed count).
+        min_replicas / max_replicas: autoscale between these many replicas (``max_replicas`` turns
+            autoscaling on; ``min_replicas`` defaults to 1 then, and ``data_parallel_size`` must stay 1).
+        target_ongoing_requests: requests (running + waiting) per replica the autoscaler aims at
+            (default: half of ``max_num_seqs``). upscale_delay_s / downscale_delay_s: how long the
+            autoscaler must want more / fewer replicas before it acts (Serve's defaults, 30 / 600 s).
+            autoscaling_look_back_s: the window the replicas' load is averaged over (seconds).
+        routing: ``least-loaded`` or ``prefix-aware`` (default: prefix-aware when there can be more
+            than one replica, see :mod:`cluster.routing`). routing_load_margin: requests the replica
+            holding the longest cached prefix may have outstanding beyond the least-loaded one.
         tensor_split: relative share of each TP rank (uneven splits), or None.
         cpus_per_worker / gpus_per_worker: resources of each shard worker's bundle.
         placement_strategy: Ray placement strategy of a replica's group: ``PACK`` (fill few nodes),
             ``SPREAD``, ``STRICT_PACK`` (one node) or ``STRICT_SPREAD`` (coordinator and every rank on
             a node of its own). Ranks on different nodes use gloo (CPU) or NCCL (GPU).
         cpu_collective: ``shm`` / ``gloo`` / None (pick by placement). dispatch: ``calls`` or ``compiled``.
-        grpc_port: replica i serves gRPC on ``grpc_port + i``; 0 = any free port.
+        grpc_port: the app's one gRPC endpoint, on the router (0 = any free port; None = none).
+        replica_grpc_port: each replica's own gRPC server, for direct access (0 = any free port; a
+            fixed port works for one replica per node, others fall back to a free port).
         grpc_host: interface the gRPC servers bind (``0.0.0.0``: all; the router dials the node IP).
-        router_cpus: CPUs reserved for the router replica.
+        router_cpus: CPUs reserved for the router replica. router_resource: a Ray custom resource
+            the router needs one unit of instead of CPUs (``shardserve manifest`` gives it a pod of its
+            own, which the gRPC endpoint's Service selects); None: anywhere with ``router_cpus``.
         drain_timeout_s: how long a replaced replica may take to finish its running requests
             (size it for the longest completion you serve); Serve's ``graceful_shutdown_timeout_s``.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
@@ -113,15 +144,25 @@ class ServeArgs:
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    autoscaling_look_back_s: float = 30.0
+    routing: str | None = None
+    routing_load_margin: int = DEFAULT_LOAD_MARGIN
     tensor_split: list[float] | None = None
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     placement_strategy: str = "PACK"
     cpu_collective: str | None = None
     dispatch: str = "calls"
-    grpc_port: int = 0
+    grpc_port: int | None = 50051
+    replica_grpc_port: int = 0
     grpc_host: str = "127.0.0.1"
     router_cpus: float = 1.0
+    router_resource: str | None = None
     drain_timeout_s: float = 300.0
     block_size: int = 16
     kv_cache_gib: float = 1.0
@@ -189,6 +230,7 @@ class ServeArgs:
         refuse_exposed(self.grpc_host, front.requires_key, self.allow_unauthenticated, "grpc_host")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        self._validate_scaling()
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
                              f"got {self.placement_strategy!r}")
@@ -197,8 +239,67 @@ class ServeArgs:
                              f"(a fractional GPU only works at tensor_parallel_size 1)")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if not 0 <= self.grpc_port <= 65535 - self.data_parallel_size:
-            raise ValueError(f"grpc_port {self.grpc_port} leaves no room for {self.data_parallel_size} replicas")
+        for name in ("grpc_port", "replica_grpc_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be a TCP port (0-65535), got {port}")
+        if self.grpc_port and self.grpc_port == self.replica_grpc_port:
+            raise ValueError(f"grpc_port and replica_grpc_port are both {self.grpc_port}: the router's endpoint "
+                             "and the replicas' servers need different ports")
+
+    def _validate_scaling(self) -> None:
+        """Replica counts, autoscaling and routing settings (ValueError when inconsistent)."""
+        if self.routing is not None and self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.routing_load_margin < 0:
+            raise ValueError(f"routing_load_margin must be >= 0 requests, got {self.routing_load_margin}")
+        if self.max_replicas is None:
+            if self.min_replicas is not None:
+                raise ValueError("min_replicas needs max_replicas (autoscaling); for a fixed count use "
+                                 "data_parallel_size")
+            return
+        low = 1 if self.min_replicas is None else self.min_replicas
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size {self.data_parallel_size} with max_replicas: the autoscaler sizes "
+                             "the replicas; set min_replicas instead")
+        if not 1 <= low <= self.max_replicas:
+            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {low} and {self.max_replicas} "
+                             "(the router needs a replica: no scale to zero)")
+        if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
+            raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or not self.autoscaling_look_back_s > 0:
+            raise ValueError("upscale_delay_s and downscale_delay_s must be >= 0 and autoscaling_look_back_s > 0")
+
+    @property
+    def autoscaled(self) -> bool:
+        """Serve's autoscaler sizes the replicas (``max_replicas`` is set)."""
+        return self.max_replicas is not None
+
+    def max_num_replicas(self) -> int:
+        """The most replicas the app may run (what a local cluster is sized for)."""
+        return self.max_replicas if self.autoscaled else self.data_parallel_size
+
+    def min_num_replicas(self) -> int:
+        """The replicas the app runs at least (and starts with)."""
+        return (self.min_replicas or 1) if self.autoscaled else self.data_parallel_size
+
+    def replica_count_options(self) -> dict:
+        """The ``ModelReplica`` deployment's ``num_replicas`` or ``autoscaling_config`` (Serve's options)."""
+        if not self.autoscaled:
+            return {"num_replicas": self.data_parallel_size}
+        target = self.target_ongoing_requests or max(1.0, self.max_num_seqs / 2)
+        return {"autoscaling_config": autoscaling_config(self.min_num_replicas(), self.max_replicas, target,
+                                                         self.upscale_delay_s, self.downscale_delay_s,
+                                                         self.autoscaling_look_back_s)}
+
+    def routing_policy(self) -> RoutingPolicy:
+        """The router's policy: ``routing``, or prefix-aware when there can be more than one replica."""
+        name = self.routing or (PREFIX_AWARE if self.max_num_replicas() > 1 else LEAST_LOADED)
+        return RoutingPolicy(name, self.routing_load_margin)
+
+    def replica_args(self) -> dict:
+        """The replicas' init args: every setting but the router-only ones (:data:`ROUTER_ONLY`)."""
+        return {name: value for name, value in self.to_dict().items() if name not in ROUTER_ONLY}
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(model=self.model, block_size=self.block_size, kv_cache_gib=self.kv_cache_gib,
@@ -261,8 +362,9 @@ class ServeArgs:
         return list(dict.fromkeys(names))
 
     def cpus_needed(self) -> float:
-        """Logical CPUs the whole app reserves."""
-        return self.router_cpus + self.data_parallel_size * sum(b["CPU"] for b in self.replica_bundles())
+        """Logical CPUs the whole app reserves at most (``max_replicas`` replicas when autoscaled)."""
+        router = 0.0 if self.router_resource else self.router_cpus
+        return router + self.max_num_replicas() * sum(b["CPU"] for b in self.replica_bundles())
 
 
 @serve.deployment(max_ongoing_requests=100, health_check_period_s=5, health_check_timeout_s=30,
@@ -275,55 +377,94 @@ class ModelReplica:
     cannot load (Serve then keeps the old version).
 
     Args:
-        args: :class:`ServeArgs` as a dict.
-        index: data-parallel rank (its gRPC port is ``grpc_port + index`` when a port is set).
+        args: :meth:`ServeArgs.replica_args` (a dict).
 
     Raises:
-        RuntimeError: the model could not load ("replica I failed to load: ..."); starting the gRPC
+        RuntimeError: the model could not load ("replica ID failed to load: ..."); starting the gRPC
             server raises its own error.
     """
 
-    async def __init__(self, args: dict, index: int) -> None:
+    async def __init__(self, args: dict) -> None:
         from shardserve.cluster.replica.coordinator import Coordinator
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.args, self.index = ServeArgs.from_dict(args), index
+        self.args = ServeArgs.from_dict(args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         try:   # the constructor blocks on Ray calls (spawn ranks, load weights): keep the loop free
             coordinator = await asyncio.to_thread(Coordinator, self.args.engine_args(), self.args.group_config(),
                                                   self.args.front_config())
         except Exception as exc:
             # Serve reports the last line; ``shardserve serve`` prints it as its one-line error.
-            raise RuntimeError(f"replica {index} failed to load: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"replica {self.replica_id} failed to load: {type(exc).__name__}: {exc}") from exc
         try:
             self.address = await self._start_grpc(coordinator)
         except Exception:
             await coordinator.shutdown()
             raise
         self.coordinator = coordinator
-        logger.info("model replica %d ready: gRPC on %s", self.index, self.address)
+        logger.info("model replica %s ready: gRPC on %s", self.replica_id, self.address)
 
     async def _start_grpc(self, coordinator) -> str:
-        port = self.args.grpc_port + self.index if self.args.grpc_port else 0
+        port = self.args.replica_grpc_port
         try:
             return await coordinator.start_grpc(port, self.args.grpc_host)
         except RuntimeError:
             if not port:
                 raise
-            # During a rolling upgrade the replica being replaced still holds the port until it
-            # has drained; the router learns the new address from status() either way.
-            logger.warning("gRPC port %d is taken (the replica being replaced?): using a free port", port)
+            # Another replica on this node holds the port (or the one being replaced, until it has
+            # drained); the router learns the address from status() either way.
+            logger.warning("gRPC port %d is taken (another replica on this node?): using a free port", port)
             return await coordinator.start_grpc(0, self.args.grpc_host)
 
-    async def status(self) -> dict:
-        """``{"state": ready|recovering|failed, "address", "error", "info", "token"}`` (info: ModelInfo
-        dict; token: the internal token the router authenticates with)."""
+    def _state(self) -> str:
         coordinator = self.coordinator
-        info = coordinator.model_info()
-        state = READY if info["healthy"] else RECOVERING if coordinator.recovering else FAILED
+        return READY if coordinator.healthy else RECOVERING if coordinator.recovering else FAILED
+
+    async def status(self, target: str | None = None) -> dict:
+        """``{"state": ready|recovering|failed, "address", "error", "info", "token"}`` (info: ModelInfo
+        dict; token: the internal token the router authenticates with). ``target``: the replica the
+        caller meant (:class:`cluster.frontend.replica_directory.ReplicaDirectoryRouter` routes the
+        call there).
+
+        Raises:
+            RuntimeError: the call reached another replica than ``target``.
+        """
+        self._check_target(target)
+        coordinator = self.coordinator
         # NOTE: "token" is this replica's internal credential: the router's only way in. Status
         # goes over Ray to the router (and the CLI that started the app), never to a client.
-        return {"state": state, "address": self.address, "error": coordinator.failed or coordinator.error,
-                "info": info, "token": coordinator.internal_token}
+        return {"state": self._state(), "address": self.address, "error": coordinator.failed or coordinator.error,
+                "info": coordinator.model_info(), "token": coordinator.internal_token, "replica_id": self.replica_id}
+
+    def _check_target(self, target: str | None) -> None:
+        if target is not None and target != self.replica_id:
+            raise RuntimeError(f"a call for replica {target} reached replica {self.replica_id}")
+
+    async def record_routing_stats(self) -> dict:
+        """What Serve relays to the router every ``ROUTING_STATS_PERIOD_S``: gRPC address, state,
+        load and prefix-cache counters (no secret: Serve keeps these in its controller)."""
+        core = self.coordinator.core
+        bm, scheduler = core.block_manager, core.scheduler
+        return {"address": self.address, "state": self._state(), "draining": self.coordinator.draining,
+                "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks, "cached_blocks": len(bm.cached),
+                "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits}
+
+    async def record_autoscaling_stats(self) -> dict:
+        """The load Serve's autoscaler reads (:mod:`cluster.autoscaling`): requests running + waiting."""
+        scheduler = self.coordinator.core.scheduler
+        return {ONGOING_REQUESTS: float(len(scheduler.running) + len(scheduler.waiting))}
+
+    async def cache_events(self, target: str | None = None):
+        """This replica's prefix-cache events (:mod:`cluster.replica.cache_events`), until the caller
+        stops reading (the router does when Serve drops the replica).
+
+        Raises:
+            RuntimeError: the call reached another replica than ``target``.
+        """
+        self._check_target(target)
+        async for message in self.coordinator.cache_events.stream():
+            yield message
 
     async def check_health(self) -> None:
         """Serve's health check: a dead worker the replica could not repair in place
@@ -352,10 +493,6 @@ def _not_an_open_route_access_log(record: logging.LogRecord) -> bool:
     return not any(route == path and f"{method} {path} " in message for method, path in OPEN_ROUTES)
 
 
-async def _replica_status(handle) -> dict:
-    return await handle.status.remote()
-
-
 def _load_tokenizer(model: str):
     from shardserve.cluster.tokenizer import load_tokenizer
     from shardserve.workers.model_source import resolve_model
@@ -366,31 +503,38 @@ def _load_tokenizer(model: str):
 @serve.deployment(max_ongoing_requests=1024, max_surge_percent=100)
 @serve.ingress()
 class OpenAIRouter:
-    """The HTTP ingress (see :class:`cluster.frontend.openai_router.RouterCore` for the behaviour and
-    :func:`cluster.frontend.openai_app.build_openai_app` for the routes and the API-key guard).
+    """The HTTP ingress and the gRPC endpoint (see :class:`cluster.frontend.openai_router.RouterCore`
+    for the behaviour, :func:`cluster.frontend.openai_app.build_openai_app` for the routes and the
+    API-key guard, :mod:`cluster.frontend.grpc_front` for gRPC).
 
-    The constructor returns once the tokenizer is loaded and every replica was asked for its
-    status once, so a replacement router knows the serving replicas before it takes traffic.
+    The constructor returns once the tokenizer is loaded and every replica Serve lists was asked
+    for its status once, so a replacement router knows the serving replicas before it takes
+    traffic; then the gRPC endpoint binds ``grpc_port``.
 
     Args:
         args: :class:`ServeArgs` as a dict.
-        replicas: deployment handles of ``ModelReplica0..N-1``.
+        replicas: the deployment handle of ``ModelReplica``.
 
     Raises:
-        RuntimeError: the tokenizer could not be loaded.
+        RuntimeError: the tokenizer could not be loaded, or the gRPC port could not be bound.
     """
 
-    async def __init__(self, args: dict, replicas: list) -> None:
+    async def __init__(self, args: dict, replicas) -> None:
+        from shardserve.cluster.frontend.grpc_front import start_router_grpc
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("ray.serve").addFilter(_not_an_open_route_access_log)
         cfg = ServeArgs.from_dict(args)
         self.front = cfg.front_config()
-        self.core = RouterCore(cfg.model, cfg.served_names(),
-                               [functools.partial(_replica_status, handle) for handle in replicas],
-                               functools.partial(_load_tokenizer, cfg.model), front=self.front)
+        self.core = RouterCore(cfg.model, cfg.served_names(), ServeReplicas(replicas, replicas.app_name),
+                               functools.partial(_load_tokenizer, cfg.model), front=self.front,
+                               policy=cfg.routing_policy())
         self.core.start()
+        self.grpc = None
         try:
             await self.core.wait_started()
+            if cfg.grpc_port is not None:
+                self.grpc = await start_router_grpc(self.core, cfg.grpc_host, cfg.grpc_port, self.front)
         except Exception:
             await self.core.close()
             raise
@@ -399,7 +543,13 @@ class OpenAIRouter:
         """Serve's hook, called after ``__init__``: the app that answers HTTP on this replica."""
         return build_openai_app(self.core, self.front)
 
+    async def grpc_address(self) -> str | None:
+        """``host:port`` of the gRPC endpoint (None when there is none)."""
+        return self.grpc.address if self.grpc is not None else None
+
     async def __del__(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop()
         await self.core.close()
 
 
@@ -411,20 +561,28 @@ def build_app(args: dict | None = None) -> serve.Application:
         ValueError: unknown or inconsistent arguments.
         FileNotFoundError: the model is neither a known name nor an existing path.
     """
+    from ray.serve.config import RequestRouterConfig
+
+    from shardserve.cluster.frontend.serve_request_router import ReplicaDirectoryRouter
+
     cfg = ServeArgs.from_dict(args)
     check_model(cfg.model)
     # Keys are read once, here (the environment of whoever builds the app); only digests go on.
     cfg = cfg.with_key_digests()
-    raw = cfg.to_dict()
     shutdown_s = cfg.drain_timeout_s + _SHUTDOWN_MARGIN_S   # Serve kills a stopping replica after this
-    replicas = [
-        ModelReplica.options(
-            name=f"ModelReplica{i}", num_replicas=1, ray_actor_options={"num_cpus": 1.0},
-            logging_config={"enable_access_log": False},  # the router polls status() every few seconds
-            placement_group_bundles=cfg.replica_bundles(), placement_group_strategy=cfg.placement_strategy,
-            graceful_shutdown_timeout_s=shutdown_s,
-        ).bind(raw, i)
-        for i in range(cfg.data_parallel_size)
-    ]
-    return OpenAIRouter.options(ray_actor_options={"num_cpus": cfg.router_cpus},
-                                graceful_shutdown_timeout_s=shutdown_s).bind(raw, replicas)
+    actor_options: dict = {"num_cpus": 1.0}
+    if cfg.autoscaled:
+        actor_options["runtime_env"] = {"env_vars": push_interval_env(cfg.autoscaling_look_back_s)}
+    replicas = ModelReplica.options(
+        name=REPLICA_DEPLOYMENT, ray_actor_options=actor_options, **cfg.replica_count_options(),
+        logging_config={"enable_access_log": False},  # the router polls status() every few seconds
+        placement_group_bundles=cfg.replica_bundles(), placement_group_strategy=cfg.placement_strategy,
+        graceful_shutdown_timeout_s=shutdown_s,
+        request_router_config=RequestRouterConfig(request_router_class=ReplicaDirectoryRouter,
+                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                                                  request_routing_stats_timeout_s=10.0),
+    ).bind(cfg.replica_args())
+    router_options = ({"num_cpus": 0, "resources": {cfg.router_resource: 1}} if cfg.router_resource
+                      else {"num_cpus": cfg.router_cpus})
+    return OpenAIRouter.options(ray_actor_options=router_options,
+                                graceful_shutdown_timeout_s=shutdown_s).bind(cfg.to_dict(), replicas)

@@ -10,6 +10,13 @@ Tenants: the chain of a request starts from its ``cache_seed`` (:func:`cache_see
 the API key's digest, and its own ``cache_salt``, as vLLM's ``cache_salt``), so requests of
 different keys or salts never share a block: one tenant cannot learn from hit timings or counts
 whether another sent a prompt.
+
+Cache events (llm-d's KV events, vLLM's ``BlockStored`` / ``BlockRemoved``): while
+:attr:`BlockManager.events` is a list, every change of the prefix cache's hash map is appended to
+it: ``(STORED, hash)`` when a full block is registered, ``(REMOVED, hash)`` when a cached block is
+evicted, ``(CLEARED, 0)`` when the whole cache is dropped. The coordinator hands them to the router
+(:mod:`cluster.routing` keeps each replica's set of hashes exact from them). ``None`` (nobody
+listens) records nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import numpy as np
 import xxhash
 
 from shardserve.cluster.engine.request import Request
+
+STORED, REMOVED, CLEARED = 0, 1, 2   # cache event kinds
 
 
 @dataclass(slots=True)
@@ -61,7 +70,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.prefix_hits = 0               # tokens served from the prefix cache (metric)
+        self.prefix_hits = 0               # prompt tokens served from the prefix cache (metric)
+        self.prefix_queries = 0            # prompt tokens looked up in the prefix cache (metric, as vLLM's)
+        self.events: list[tuple[int, int]] | None = None   # (kind, hash) while someone listens
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +115,8 @@ class BlockManager:
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if max(need, 0) + revived > self.num_free_blocks:
             return False
+        if self.enable_prefix_caching and not request.block_ids and not request.num_computed_tokens:
+            self.prefix_queries += request.num_tokens   # admitted: its lookup counts once
         for block_id in computed_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -119,6 +132,8 @@ class BlockManager:
             if block.hash is not None:  # evict its cached contents
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
+                    if self.events is not None:
+                        self.events.append((REMOVED, block.hash))
                 block.hash, block.token_ids = None, None
             block.ref_count = 1
             request.block_ids.append(block_id)
@@ -137,7 +152,8 @@ class BlockManager:
             chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
             block = self.blocks[request.block_ids[i]]
             block.hash, block.token_ids = block_hash(parent, chunk), tuple(chunk)
-            self.cached.setdefault(block.hash, block.block_id)
+            if self.cached.setdefault(block.hash, block.block_id) == block.block_id and self.events is not None:
+                self.events.append((STORED, block.hash))
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def reset_prefix_cache(self) -> None:
@@ -145,6 +161,22 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids = None, None
         self.cached.clear()
+        if self.events is not None:
+            self.events[:] = [(CLEARED, 0)]
+
+    def listen(self) -> list[int]:
+        """Start recording :attr:`events` (idempotent); returns the hashes cached now (the snapshot
+        the events follow)."""
+        if self.events is None:
+            self.events = []
+        return list(self.cached)
+
+    def take_events(self) -> list[tuple[int, int]]:
+        """The events recorded since the last call (empty when nobody listens)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def free(self, request: Request) -> None:
         """Drop ``request``'s references. Its tail blocks go to the free queue first, so they are

@@ -17,7 +17,6 @@ import json
 import time
 
 import grpc
-from starlette.responses import JSONResponse, Response
 
 from shardserve.cluster.frontend.openai_protocol import OpenAIError, bad_request, unavailable
 from shardserve.cluster.frontend.replica_pool import READY, ReplicaPool
@@ -51,41 +50,40 @@ def parse_reload(raw_body: bytes) -> pb.ReloadWeightsRequest:
     return pb.ReloadWeightsRequest(model=model or "", mode=mode or "")
 
 
-def reload_busy() -> Response:
+def reload_busy() -> OpenAIError:
     """409: a rollout is already running on this router."""
-    return JSONResponse(OpenAIError(409, "a weight reload is already in progress; retry when it is done",
-                                    "invalid_request_error", None, "reload_in_progress").body(), status_code=409)
+    return OpenAIError(409, "a weight reload is already in progress; retry when it is done",
+                       "invalid_request_error", None, "reload_in_progress")
 
 
-async def reload_weights(pool: ReplicaPool, raw_body: bytes) -> Response:
-    """``POST /admin/reload_weights``: 200 with ``changed_tensors``, ``unchanged_tensors``,
-    ``seconds``, ``weights_version``, ``aborted_requests`` and ``replicas`` (one answer each);
-    400 for a bad body or a checkpoint that cannot replace the served one (outside the allowed
-    model root included); 409 when a replica refuses to start (lock held, drain timed out); 503
-    when a replica is not ready or fails."""
+async def reload_weights(pool: ReplicaPool, request: pb.ReloadWeightsRequest) -> dict:
+    """Reload every replica in turn (``POST /admin/reload_weights``, gRPC ``ReloadWeights`` on the
+    router): ``changed_tensors``, ``unchanged_tensors``, ``seconds``, ``weights_version``,
+    ``aborted_requests`` and ``replicas`` (one answer each).
+
+    Raises:
+        OpenAIError: 400 for a checkpoint that cannot replace the served one (outside the allowed
+            model root included); 409 when a replica refuses to start (lock held, drain timed out);
+            503 when a replica is not ready or fails.
+    """
     started = time.monotonic()
-    try:
-        request = parse_reload(raw_body)
-        not_ready = [r for r in pool.replicas if r.state != READY or r.stub is None]
-        if not_ready:
-            raise unavailable(f"every replica must be ready to reload weights ({pool.summary()})")
-        answers = []
-        for replica in pool.replicas:
-            try:
-                answer = await replica.stub.ReloadWeights(request, metadata=replica.metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise bad_request(exc.details(), "model", "invalid_checkpoint") from exc
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise OpenAIError(409, f"replica {replica.index}: {exc.details()} (replicas reloaded before "
-                                      f"it: {[a['replica'] for a in answers]})", "invalid_request_error", None,
-                                      "reload_refused") from exc
-                raise unavailable(f"replica {replica.index} failed to reload ({exc.code().name}: {exc.details()}); "
-                                  f"replicas reloaded before it: {[a['replica'] for a in answers]}") from exc
-            answers.append({"replica": replica.index, **{name: getattr(answer, name) for name in _FIELDS}})
-    except OpenAIError as err:
-        return JSONResponse(err.body(), status_code=err.status)
+    not_ready = [r for r in pool.replicas if r.state != READY or r.stub is None]
+    if not_ready or not pool.replicas:
+        raise unavailable(f"every replica must be ready to reload weights ({pool.summary()})")
+    answers = []
+    for replica in list(pool.replicas):
+        try:
+            answer = await replica.stub.ReloadWeights(request, metadata=replica.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise bad_request(exc.details(), "model", "invalid_checkpoint") from exc
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise OpenAIError(409, f"replica {replica.key}: {exc.details()} (replicas reloaded before "
+                                  f"it: {[a['replica'] for a in answers]})", "invalid_request_error", None,
+                                  "reload_refused") from exc
+            raise unavailable(f"replica {replica.key} failed to reload ({exc.code().name}: {exc.details()}); "
+                              f"replicas reloaded before it: {[a['replica'] for a in answers]}") from exc
+        answers.append({"replica": replica.key, **{name: getattr(answer, name) for name in _FIELDS}})
     first = answers[0]
-    return JSONResponse({**{name: first[name] for name in _FIELDS},
-                         "seconds": round(time.monotonic() - started, 3),
-                         "aborted_requests": sum(a["aborted_requests"] for a in answers), "replicas": answers})
+    return {**{name: first[name] for name in _FIELDS}, "seconds": round(time.monotonic() - started, 3),
+            "aborted_requests": sum(a["aborted_requests"] for a in answers), "replicas": answers}

@@ -2,7 +2,9 @@
 
 Counters and histograms are recorded by the router as requests pass; the replica gauges (queue
 depth, free KV blocks) and the replicas' speculative-decoding counters are refreshed from each
-replica's ModelInfo right before a scrape.
+replica's ModelInfo right before a scrape. vLLM's names (``vllm:*``, one series per live replica)
+are :mod:`cluster.frontend.vllm_metrics`'; a replica that leaves takes every per-replica series
+with it (:meth:`ServeMetrics.forget_replica`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shardserve.cluster.frontend.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -70,7 +74,13 @@ class ServeMetrics:
     ``key_prompt_tokens_total``, ``key_generation_tokens_total``,
     ``rate_limited_total{key,limit}`` (``limit``: ``requests`` or ``tokens``). No prefix-cache
     counter is here: those are on the admin surface only (``/admin/status``).
-    Per replica (label ``replica``): ``requests_routed_total``, ``queue_full_rejections_total``
+    Routing (:mod:`cluster.routing`): ``routing_decisions_total{policy,reason}`` (reason ``cache``:
+    the replica holding the longest cached prefix; ``load_guard``: that replica was too busy, the
+    least-loaded one took it; ``least_loaded``: no cached prefix anywhere, or the least-loaded
+    policy), ``routing_prompt_tokens_total`` and ``routing_expected_hit_tokens_total`` (prompt tokens
+    routed, and those the chosen replica was known to hold: the router's expected hit rate), beside
+    the replicas' own ``vllm:prefix_cache_hits_total``.
+    Per replica (label ``replica``, the replica's Serve id): ``requests_routed_total``, ``queue_full_rejections_total``
     (admission control refused a call), ``outstanding_tokens``, ``num_requests_running``,
     ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``, ``kv_cache_blocks``,
     ``replica_ready``, ``weights_version``, ``worker_restarts_total`` (shard or draft worker actors
@@ -84,9 +94,17 @@ class ServeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
+        self.vllm = VllmMetrics(model_name)
+        reg.register(self.vllm)
+        self.decisions = Counter("shardserve_routing_decisions", "Replica choices by routing policy and reason",
+                                 ["policy", "reason"], registry=reg)
+        self.routed_prompt_tokens = Counter("shardserve_routing_prompt_tokens", "Prompt tokens routed (first "
+                                            "prompt of each request)", registry=reg)
+        self.expected_hits = Counter("shardserve_routing_expected_hit_tokens", "Prompt tokens the chosen replica "
+                                     "was known to hold in its prefix cache when the request was routed", registry=reg)
         self.requests = Counter("shardserve_requests", "Generation requests by endpoint, HTTP status and outcome",
                                 ["endpoint", "status", "outcome"], registry=reg)
         self.queue_full = Counter("shardserve_queue_full_rejections", "Calls a replica refused: its waiting "
@@ -154,9 +172,8 @@ class ServeMetrics:
             if num_tokens > 1:
                 self.tpot.observe((finished - first_token) / (num_tokens - 1))
 
-    def set_replica(self, index: int, ready: bool, outstanding: int, info: dict | None) -> None:
+    def set_replica(self, label: str, ready: bool, outstanding: int, info: dict | None) -> None:
         """Refresh one replica's gauges (``info``: :func:`replica_info` of its ModelInfo, None when unknown)."""
-        label = str(index)
         self.ready.labels(label).set(1 if ready else 0)
         self.outstanding.labels(label).set(outstanding)
         if info:
@@ -170,6 +187,23 @@ class ServeMetrics:
                 self._set_placement(label, info)
             if info.get("speculative_tokens"):
                 self.spec.replicas[label] = info
+
+    def forget_replica(self, label: str) -> None:
+        """The replica left (scaled down, replaced): every series labelled with it goes."""
+        self.vllm.forget(label)
+        for metric in (self.routed, self.queue_full, self.outstanding, self.running, self.waiting, self.free_blocks,
+                       self.total_blocks, self.ready, self.weights_version, self.nodes):
+            try:
+                metric.remove(label)
+            except KeyError:
+                pass
+        for gauge, values in self._placement.pop(label, []):
+            try:
+                gauge.remove(*values)
+            except KeyError:
+                pass
+        self.worker_restarts.pop(label, None)
+        self.spec.replicas.pop(label, None)
 
     def _set_placement(self, label: str, info: dict) -> None:
         """Info-style series of one replica; the ones of a previous placement are removed."""

@@ -20,9 +20,16 @@ that passes answers 408 (or ends a stream with an error event). Every request is
 ``requests_total`` when it ends, with its HTTP status and outcome (``finished``, ``rejected``,
 ``cancelled``, ``timeout``, ``error``).
 
-While a replica is being replaced (rolling upgrade) it refuses new requests with UNAVAILABLE; a
-request refused before anything was sent to the client waits for the replacement (re-polling the
-replicas, at most ``route_wait_s``) instead of failing.
+Replicas come from Ray Serve (:mod:`cluster.frontend.replica_directory`: the running replicas of
+the one ``ModelReplica`` deployment and their routing stats); each is polled for its status
+(address, internal token, ModelInfo) and, with prefix-aware routing, followed through its
+prefix-cache events. The replica a request goes to is :mod:`cluster.routing`'s choice, over the
+prompt's block hashes (salted as the replica salts them: the caller's key digest and
+``cache_salt``).
+
+While a replica is being replaced (rolling upgrade) or scaled down it refuses new requests with
+UNAVAILABLE; a request refused before anything was sent to the client waits for the replacement
+(re-polling the replicas, at most ``route_wait_s``) instead of failing.
 """
 
 from __future__ import annotations
@@ -39,14 +46,17 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from shardserve.cluster.engine.block_manager import cache_seed
 from shardserve.cluster.frontend.limits import LimitExceeded, RateLimiter, retry_after_header, run_tokenizer
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, limit_error, load_body, parse_chat, parse_completion, prompt_chars,
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
+from shardserve.cluster.frontend.replica_directory import ReplicaEntry, StaticReplicas
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.routing import RoutingPolicy, prompt_block_hashes
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -58,6 +68,8 @@ _RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one
 _MODEL_NOT_FOUND = "model_not_found"
 _NOBODY = Caller(ANONYMOUS, ANONYMOUS)
 _MAX_TOKEN_ID = 2**31 - 1     # a proto int32; the vocabulary bounds it further once a replica reported it
+_INLINE_HASH_TOKENS = 4096    # longer prompts are hashed on the tokenizer threads, off the event loop
+_CACHE_EVENTS_RETRY_S = 1.0   # pause before re-following a replica whose cache-event stream ended
 
 
 def _connect(address: str, root_certificates: bytes | None = None) -> tuple:
@@ -96,6 +108,7 @@ class _Run:
     outcome: str = "cancelled"     # finished | cancelled | timeout | error | dropped (requests_total label)
     caller: Caller = _NOBODY       # who sent it (per-key usage, rate settlement)
     charged_tokens: int = 0        # taken from the caller's token rate at admission
+    first_responses: list = None   # each call's first response (grpc.aio.EOF when none), as read
 
 
 class RouterCore:
@@ -104,40 +117,83 @@ class RouterCore:
     Args:
         model: the model argument (name, ``.gguf`` file or checkpoint folder).
         served_names: model names requests may ask for (the first is the one reported).
-        fetchers: one coroutine function per replica returning its ``status()`` dict.
+        replicas: where the replicas come from: :class:`cluster.frontend.replica_directory.ServeReplicas`
+            (Serve's running replicas), or a list of coroutine functions returning each replica's
+            ``status()`` dict (a fixed list, :class:`~cluster.frontend.replica_directory.StaticReplicas`).
         poll_s: status polling period once every replica is ready (faster while loading).
         load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
         front: keys (the guard checks them), limits, gRPC TLS (the certificate is trusted when
             dialling a replica) and the request timeout. Replicas are called with the internal
             token each reports in its status.
         route_wait_s: how long a request waits for a replica that is being replaced.
+        policy: the routing policy (default: least-loaded).
     """
 
-    def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
-                 load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None,
-                 route_wait_s: float = 30.0) -> None:
+    def __init__(self, model: str, served_names: list[str], replicas, load_tokenizer: Callable[[], object],
+                 poll_s: float = 2.0, front: FrontConfig | None = None, route_wait_s: float = 30.0,
+                 policy: RoutingPolicy | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
         tls = self.front.grpc_tls()
-        self.pool = ReplicaPool(len(fetchers), functools.partial(_connect, root_certificates=tls and tls[0]), _close)
+        self.replicas = StaticReplicas(replicas) if isinstance(replicas, (list, tuple)) else replicas
+        self.pool = ReplicaPool((), functools.partial(_connect, root_certificates=tls and tls[0]), _close, policy)
         self.limits = self.front.limits
         self.rates = RateLimiter(self.limits.rate_limit_requests, self.limits.rate_limit_tokens)
         self.cache_hits_by_key: dict[str, int] = {}   # prompt tokens from the prefix cache, per key (admin only)
         self._reload_lock: asyncio.Lock | None = None
         self.created = int(time.time())   # ``created`` of the model card: when this router started
-        self.metrics = ServeMetrics()
-        self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
+        self.metrics = ServeMetrics(self.served_names[0])
+        self.poll_s, self._load_tokenizer = poll_s, load_tokenizer
         self.route_wait_s = route_wait_s
         self.tokenizer = self.token_text = None
         self.tokenizer_error: str | None = None
         self._tasks: list[asyncio.Task] = []
-        self._polled = asyncio.Event()   # set after the first round of status calls
+        self._followers: dict[str, asyncio.Task] = {}   # replica -> task applying its cache events
+        self._listed = False             # the replica directory has answered once
+        self._polled = asyncio.Event()   # set after the first round of status calls once replicas are listed
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
-        """Start loading the tokenizer and polling the replicas (on the running event loop)."""
+        """Start loading the tokenizer, following the replica directory and polling the replicas
+        (on the running event loop)."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._load()), loop.create_task(self._watch())]
+        self._tasks = [loop.create_task(self._load())]
+        self.replicas.watch(self._on_replicas)
+        self._tasks.append(loop.create_task(self._watch()))
+
+    def _on_replicas(self, entries: list[ReplicaEntry]) -> None:
+        """Serve's list of running replicas changed (or their routing stats did)."""
+        self._listed = True
+        added, removed = self.pool.sync(entry.replica_id for entry in entries)
+        for entry in entries:
+            replica = self.pool.get(entry.replica_id)
+            if replica is not None and entry.stats:
+                replica.stats = entry.stats
+        for key in removed:
+            self.metrics.forget_replica(key)
+            follower = self._followers.pop(key, None)
+            if follower is not None:
+                follower.cancel()
+        loop = asyncio.get_running_loop()
+        for key in added:
+            self._tasks.append(loop.create_task(self._poll(key)))
+            if self.pool.policy.uses_cache:
+                self._followers[key] = loop.create_task(self._follow_cache(key))
+
+    async def _follow_cache(self, key: str) -> None:
+        """Keep replica ``key``'s cache digest exact from its prefix-cache events until it leaves."""
+        while self.pool.get(key) is not None:
+            try:
+                async for message in self.replicas.cache_events(key):
+                    replica = self.pool.get(key)
+                    if replica is None:
+                        return
+                    replica.digest.apply(message["reset"], message["stored"], message["removed"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - restarting or leaving: follow it again or stop
+                logger.debug("cache events of replica %s ended: %s: %s", key, type(exc).__name__, exc)
+            await asyncio.sleep(_CACHE_EVENTS_RETRY_S)
 
     async def _load(self) -> None:
         try:
@@ -161,33 +217,37 @@ class RouterCore:
         if self.tokenizer_error:
             raise RuntimeError(f"the router could not load the tokenizer: {self.tokenizer_error}")
 
-    async def _poll(self, index: int, fetch: StatusFetcher) -> None:
-        replica = self.pool.replicas[index]
+    async def _poll(self, key: str) -> None:
+        replica = self.pool.get(key)
+        if replica is None:
+            return
         try:
-            status = await asyncio.wait_for(fetch(), timeout=10)
+            status = await asyncio.wait_for(self.replicas.status(key), timeout=10)
         except Exception as exc:  # noqa: BLE001 - loading or restarting replicas answer late or fail
             if replica.state in (READY, UNREACHABLE):   # it served: being replaced or restarted
                 self.pool.mark_unreachable(replica, f"status call failed: {type(exc).__name__}")
                 return
             status = {"state": LOADING, "address": replica.address, "error": None}
         try:
-            self.pool.update(index, status)
+            self.pool.update(key, status)
         except Exception:  # noqa: BLE001 - keep watching the other replicas
-            logger.exception("router: bad status from replica %d: %r", index, status)
+            logger.exception("router: bad status from replica %s: %r", key, status)
 
     async def poll_all(self) -> None:
         """Ask every replica for its status now (concurrently) and apply the answers."""
-        await asyncio.gather(*(self._poll(i, fetch) for i, fetch in enumerate(self.fetchers)))
-        self._polled.set()
+        await asyncio.gather(*(self._poll(replica.key) for replica in list(self.pool.replicas)))
+        if self._listed and self.pool.replicas:
+            self._polled.set()
 
     async def _watch(self) -> None:
         while True:
             await self.poll_all()
-            ready = len(self.pool.ready()) == len(self.pool.replicas)
+            ready = self.pool.replicas and len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        self.replicas.close()
+        for task in self._tasks + list(self._followers.values()):
             task.cancel()
         channels = self.pool.detach_channels()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
@@ -241,16 +301,30 @@ class RouterCore:
     async def reload_weights(self, raw_body: bytes) -> Response:
         """``POST /admin/reload_weights`` over every replica, one at a time (see
         :mod:`cluster.frontend.admin`); one rollout at a time (another one gets 409)."""
+        from shardserve.cluster.frontend.admin import parse_reload
+
+        try:
+            return JSONResponse(await self.reload_all(parse_reload(raw_body)))
+        except OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+
+    async def reload_all(self, request: pb.ReloadWeightsRequest) -> dict:
+        """Reload every replica's weights in turn (:func:`cluster.frontend.admin.reload_weights`).
+
+        Raises:
+            OpenAIError: 409 while another reload runs on this router, else as ``reload_weights``.
+        """
         from shardserve.cluster.frontend.admin import reload_busy, reload_weights
 
         self._reload_lock = self._reload_lock or asyncio.Lock()
         if self._reload_lock.locked():
-            return reload_busy()
+            raise reload_busy()
         async with self._reload_lock:
-            return await reload_weights(self.pool, raw_body)
+            return await reload_weights(self.pool, request)
 
     async def metrics_text(self) -> Response:
-        """Prometheus exposition; replica gauges refreshed from ModelInfo first."""
+        """Prometheus exposition; replica gauges refreshed from ModelInfo first (vLLM's names from
+        it too, and the prefix-cache counters from the replica's routing stats)."""
         async def refresh(replica) -> None:
             info = None
             if replica.stub is not None:
@@ -259,7 +333,13 @@ class RouterCore:
                     info = replica_info(msg)
                 except grpc.aio.AioRpcError:
                     info = None
-            self.metrics.set_replica(replica.index, replica.state == "ready", replica.outstanding_tokens, info)
+            self.metrics.set_replica(replica.key, replica.state == "ready", replica.outstanding_tokens, info)
+            known, stats = info or replica.info, replica.stats
+            self.metrics.vllm.set_replica(
+                replica.key, known.get("num_running", stats.get("running", 0)),
+                known.get("num_waiting", stats.get("waiting", 0)),
+                known.get("num_free_blocks", stats.get("free_blocks", 0)), known.get("num_blocks", stats.get("num_blocks", 0)),
+                stats.get("prefix_queries"), stats.get("prefix_hits"))
 
         await asyncio.gather(*(refresh(r) for r in self.pool.replicas))
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -274,7 +354,7 @@ class RouterCore:
         charged = 0
         try:
             try:
-                self._admit_rate(caller)
+                self.admit(caller)
                 body = load_body(raw_body)
                 parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
                 if parsed.model is not None and parsed.model not in self.served_names:
@@ -286,14 +366,16 @@ class RouterCore:
                 charged = self._charge_tokens(caller, parsed, prompt_ids)
             except LimitExceeded as exc:
                 raise limit_error(exc) from None
-            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller)
+            hashes = await self.prompt_hashes(prompt_ids[0], caller, parsed.cache_salt)
+            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller,
+                                    hashes)
         except OpenAIError as err:
-            self._settle(caller, charged, 0)
+            self.settle(caller, charged, 0)
             self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected", caller.key_id)
             headers = {"Retry-After": retry_after_header(err.retry_after)} if err.status == 429 else None
             return JSONResponse(err.body(), status_code=err.status, headers=headers)
         except asyncio.CancelledError:   # the client left before the first token
-            self._settle(caller, charged, 0)
+            self.settle(caller, charged, 0)
             self.metrics.count(endpoint, 499, "cancelled", caller.key_id)
             raise
         run.endpoint, run.charged_tokens = endpoint, charged
@@ -307,7 +389,12 @@ class RouterCore:
         """The key whose rates a request counts against (None: exempt, the operator's admin key)."""
         return None if caller.privileged or not self.rates.enabled else caller.key_id
 
-    def _admit_rate(self, caller: Caller) -> None:
+    def admit(self, caller: Caller) -> None:
+        """Count a request against the caller's request rate.
+
+        Raises:
+            LimitExceeded: 429, the key is over its rate.
+        """
         key = self._rate_key(caller)
         if key is not None:
             try:
@@ -317,17 +404,25 @@ class RouterCore:
                 raise
 
     def _charge_tokens(self, caller: Caller, parsed: ParsedRequest, prompt_ids: list[list[int]]) -> int:
+        return self.charge(caller, parsed.n * sum(len(ids) + (parsed.max_tokens or 0) for ids in prompt_ids))
+
+    def charge(self, caller: Caller, wanted: int) -> int:
+        """Take ``wanted`` tokens from the caller's token rate; returns what was charged.
+
+        Raises:
+            LimitExceeded: 429, the key is over its token rate.
+        """
         key = self._rate_key(caller)
         if key is None or not self.rates.tpm:
             return 0
-        wanted = parsed.n * sum(len(ids) + (parsed.max_tokens or 0) for ids in prompt_ids)
         try:
             return self.rates.charge_tokens(key, wanted)
         except LimitExceeded:
             self.metrics.rate_limited.labels(caller.key_id, "tokens").inc()
             raise
 
-    def _settle(self, caller: Caller, charged: int, used: int) -> None:
+    def settle(self, caller: Caller, charged: int, used: int) -> None:
+        """Give back what a request was charged beyond the ``used`` tokens."""
         key = self._rate_key(caller)
         if key is not None and charged:
             self.rates.settle(key, charged, used)
@@ -350,14 +445,32 @@ class RouterCore:
             OpenAIError: 400 for a bad prompt.
         """
         param = "messages" if kind == "chat" else "prompt"
-        prompt_ids = [await run_tokenizer(self._encode, kind, prompt) for prompt in parsed.prompts]
-        vocab = self.pool.any_info().get("vocab_size") or _MAX_TOKEN_ID + 1
+        prompt_ids = [await run_tokenizer(self.encode, kind, prompt) for prompt in parsed.prompts]
         for ids in prompt_ids:
-            if any(not 0 <= t < vocab for t in ids):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+            self.check_vocabulary(ids, param)
         return prompt_ids
 
-    def _encode(self, kind: str, prompt) -> list[int]:
+    def check_vocabulary(self, ids: list[int], param: str = "prompt") -> None:
+        """Raises OpenAIError (400) for a token id outside the served vocabulary."""
+        vocab = self.pool.any_info().get("vocab_size") or _MAX_TOKEN_ID + 1
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+
+    async def prompt_hashes(self, prompt_ids: list[int], caller: Caller, cache_salt: str = "") -> list[int]:
+        """The prompt's block hashes as a replica's prefix cache chains them (salted with the
+        caller's key digest and ``cache_salt``), when the routing policy reads them and there is a
+        choice to make; else none."""
+        block_size = self.pool.any_info().get("block_size")
+        if not self.pool.policy.uses_cache or not block_size or len(self.pool.ready()) < 2:
+            return []
+        hash_args = (prompt_ids, block_size, cache_seed(caller.tenant, cache_salt))
+        if len(prompt_ids) <= _INLINE_HASH_TOKENS:
+            return prompt_block_hashes(*hash_args)
+        return await run_tokenizer(prompt_block_hashes, *hash_args)
+
+    def encode(self, kind: str, prompt) -> list[int]:
+        """Token ids of a chat (``kind == "chat"``) or a text (blocking: run on the tokenizer
+        threads). Raises OpenAIError (400) for a malformed prompt."""
         from shardserve.cluster.tokenizer import encode_chat, encode_prompt
 
         try:
@@ -383,9 +496,12 @@ class RouterCore:
             raise bad_request(f"invalid request: {exc}") from exc
 
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
-                     deadline: float | None, caller: Caller = _NOBODY) -> _Run:
-        """Open every choice's call on the least-loaded replica and read its first response; a
-        replica whose queue is full is skipped for the next one.
+                     deadline: float | None, caller: Caller = _NOBODY, hashes: list[int] = (),
+                     requests: list[pb.GenerateRequest] | None = None) -> _Run:
+        """Open every choice's call on the replica the routing policy chooses (``hashes``: the first
+        prompt's block hashes, for prefix-aware routing) and read its first response; a replica
+        whose queue is full is skipped for the next one. ``requests``: the calls as they are (the
+        gRPC endpoint's), instead of one per choice built from ``parsed``.
 
         A replica that refuses the call (UNAVAILABLE: draining or dead) is skipped; when none is
         left but one is being replaced, the request waits for it (at most ``route_wait_s``).
@@ -398,13 +514,13 @@ class RouterCore:
         cost_prompt = n * sum(len(ids) for ids in prompt_ids)
         cost_output = n * sum(parsed.max_tokens or max(1, max_len - len(ids)) for ids in prompt_ids)
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        excluded: tuple[int, ...] = ()
-        full: list[int] = []   # replicas that answered RESOURCE_EXHAUSTED
+        request_id = requests[0].request_id if requests else f"{prefix}-{uuid.uuid4().hex}"
+        excluded: tuple[str, ...] = ()
+        full: list[str] = []   # replicas that answered RESOURCE_EXHAUSTED
         wait_until = time.monotonic() + self.route_wait_s
         while True:
             try:
-                lease = self.pool.pick(cost_prompt, cost_output, excluded)
+                lease = self.pool.pick(cost_prompt, cost_output, excluded, hashes)
             except NoReplicaReady as exc:
                 if full:
                     raise rate_limited(f"the server is at capacity: the waiting queue of every ready replica "
@@ -424,10 +540,9 @@ class RouterCore:
             stub = lease.stub   # the lease keeps the channel open even if the replica moves
             calls: list = []
             try:   # NOTE: every call is built in here: whatever fails, the lease is paid back
-                for p, ids in enumerate(prompt_ids):
-                    for j in range(n):
-                        request = self._grpc_request(parsed, request_id, ids, p * n + j, caller)
-                        calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
+                for request in requests or (self._grpc_request(parsed, request_id, ids, p * n + j, caller)
+                                            for p, ids in enumerate(prompt_ids) for j in range(n)):
+                    calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
             except BaseException:  # a bad value, or cancelled: the client left before the first token
                 for call in calls:
@@ -448,19 +563,30 @@ class RouterCore:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise timed_out(self._timeout_message())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self.metrics.queue_full.labels(str(lease.replica.index)).inc()
-                full.append(lease.replica.index)
+                self.metrics.queue_full.labels(lease.replica.key).inc()
+                full.append(lease.replica.key)
             else:
                 self.pool.mark_unreachable(lease.replica, f"{code.name}: {failure.details()}")
-            excluded += (lease.replica.index,)  # try the next replica; 429 or 503 when none is left
-        self.metrics.routed.labels(str(lease.replica.index)).inc()
+            excluded += (lease.replica.key,)  # try the next replica; 429 or 503 when none is left
+        self._count_route(lease, len(prompt_ids[0]))
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
-                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started, caller=caller)
+                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started, caller=caller,
+                   first_responses=firsts)
         for index, first in enumerate(firsts):
             if first is not grpc.aio.EOF:
                 self._absorb(run, index, first)
         return run
+
+    def _count_route(self, lease: Lease, prompt_tokens: int) -> None:
+        """Metrics of one routed request: per replica, and the policy's decision."""
+        self.metrics.routed.labels(lease.replica.key).inc()
+        decision = lease.decision
+        if decision is not None:
+            self.metrics.decisions.labels(self.pool.policy.name, decision.reason).inc()
+            self.metrics.routed_prompt_tokens.inc(prompt_tokens)
+            block_size = int(lease.replica.info.get("block_size") or 0)
+            self.metrics.expected_hits.inc(min(prompt_tokens, decision.matched_blocks * block_size))
 
     def _absorb(self, run: _Run, index: int, resp: pb.GenerateResponse) -> None:
         choice = run.choices[index]
@@ -490,9 +616,9 @@ class RouterCore:
             return timed_out(self._timeout_message())
         run.status, run.outcome = 503, "error"
         if exc.code() == grpc.StatusCode.ABORTED:
-            return unavailable(f"replica {run.lease.replica.index}: {exc.details()}")
+            return unavailable(f"replica {run.lease.replica.key}: {exc.details()}")
         self.pool.mark_unreachable(run.lease.replica, exc.details() or exc.code().name)
-        return unavailable(f"replica {run.lease.replica.index} failed mid-request: {exc.details()}")
+        return unavailable(f"replica {run.lease.replica.key} failed mid-request: {exc.details()}")
 
     def _finish(self, run: _Run) -> None:
         """Cancel what is still open, pay back the lease, record metrics. Idempotent."""
@@ -506,16 +632,24 @@ class RouterCore:
         self.metrics.in_flight.dec()
         now = time.monotonic()
         self.metrics.latency.observe(now - run.started)
-        counted_prompts, used, cached = set(), 0, 0
+        counted_prompts, used, cached, prompt = set(), 0, 0, 0
+        replica = run.lease.replica.key if self.pool.get(run.lease.replica.key) is not None else None   # still live
         for choice, first in zip(run.choices, run.first_token_at):
             self.metrics.observe_choice(run.started, first, now, choice.completion_tokens)
             self.metrics.count_tokens(run.caller.key_id, 0, choice.completion_tokens)
+            if replica is not None:
+                self.metrics.vllm.observe_choice(replica, run.started, first, now, choice.completion_tokens)
             used += choice.prompt_tokens + choice.completion_tokens
             cached += choice.cached_tokens
             if choice.index // run.parsed.n not in counted_prompts:
                 counted_prompts.add(choice.index // run.parsed.n)
                 self.metrics.count_tokens(run.caller.key_id, choice.prompt_tokens, 0)
-        self._settle(run.caller, run.charged_tokens, used)
+                prompt += choice.prompt_tokens
+        if replica is not None:
+            self.metrics.vllm.observe_request(replica, now - run.started, prompt,
+                                              sum(c.completion_tokens for c in run.choices),
+                                              [c.finish_reason for c in run.choices])
+        self.settle(run.caller, run.charged_tokens, used)
         key = run.caller.key_id
         self.cache_hits_by_key[key] = self.cache_hits_by_key.get(key, 0) + cached
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.replica.cache_events import CacheEventHub
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
@@ -108,6 +109,7 @@ class Coordinator:
                                eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
                                args.enable_prefix_caching, speculator=speculator,
                                num_state_slots=self.group.num_state_slots)
+        self.cache_events = CacheEventHub(self.core.block_manager)   # the router's view of the prefix cache
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
         self.worker_restarts, self.weights_version = 0, 1
@@ -235,6 +237,7 @@ class Coordinator:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        self.cache_events.flush()
 
     def _record_step(self, wall_s: float, result) -> None:
         stats = self.step_stats
@@ -287,6 +290,7 @@ class Coordinator:
         finally:
             self.recovering = False
         self.core.reset_after_worker_loss()
+        self.cache_events.flush()
         self.worker_restarts += report.restarted
         self.weights_version += report.files_changed
         self.worker_status = []
@@ -401,6 +405,7 @@ class Coordinator:
             await self._fail(str(exc))
             raise ReplicaUnavailable(f"a worker died during the weight reload: {exc}") from exc
         self.core.drop_cached_prefixes()
+        self.cache_events.flush()
         self.files, self.served.path = files, files.path
         self.weights_version += bool(changed)
         return changed, unchanged

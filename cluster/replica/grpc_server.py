@@ -48,7 +48,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return params
 
 
-def _chat(msg: pb.Chat) -> list[dict]:
+def chat_messages(msg: pb.Chat) -> list[dict]:
+    """A proto chat as the tokenizer's messages."""
     return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
@@ -66,7 +67,8 @@ def _response(out) -> pb.GenerateResponse:
 ADMIN_METHODS = frozenset({f"/{SERVICE}/ReloadWeights"})   # admin key (or the router's token) only
 
 
-def _authorization(metadata) -> str | None:
+def request_authorization(metadata) -> str | None:
+    """The `authorization` value of a call's metadata (None when absent)."""
     return dict(metadata or ()).get("authorization")
 
 
@@ -92,7 +94,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
-        caller = self.front.identify(_authorization(handler_call_details.invocation_metadata))
+        caller = self.front.identify(request_authorization(handler_call_details.invocation_metadata))
         if method in ADMIN_METHODS:
             if not self.front.admin_enabled:
                 return _refusal(handler, grpc.StatusCode.UNIMPLEMENTED, "the admin API is off on this server "
@@ -151,14 +153,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _caller(self, context) -> Caller:
         """Who calls (the interceptor already refused unknown keys)."""
-        return self.front.identify(_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
+        return self.front.identify(request_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
 
     async def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            chat = _chat(request.chat)
+            chat = chat_messages(request.chat)
             self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
             return await self.coordinator.encode_async(chat=chat)
         self.limits.check_prompt_chars(len(request.text), "text")
@@ -208,7 +210,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
             if request.WhichOneof("prompt") == "chat":
-                chat = _chat(request.chat)
+                chat = chat_messages(request.chat)
                 self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
                 ids = await self.coordinator.encode_async(chat=chat)
             else:
@@ -261,12 +263,13 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-def server_options(limits: Limits) -> list[tuple[str, int]]:
+def server_options(limits: Limits, reuse_port: bool = False) -> list[tuple[str, int]]:
     """grpcio server options: message size, concurrent streams per connection, keepalive and ping
-    abuse limits, header size. No SO_REUSEPORT: a second server on a port in use must fail, not
-    share the port's connections (the replica being replaced in a rolling upgrade may still hold
-    it while it drains)."""
-    return [("grpc.so_reuseport", 0),
+    abuse limits, header size. No SO_REUSEPORT unless ``reuse_port``: a replica's second server on
+    a port in use must fail, not share the port's connections (the replica being replaced in a
+    rolling upgrade may still hold it while it drains); the router's one endpoint shares its port
+    with the router it replaces (both route to the same replicas)."""
+    return [("grpc.so_reuseport", int(reuse_port)),
             ("grpc.max_receive_message_length", limits.max_request_body_bytes),
             ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_metadata_size", GRPC_MAX_METADATA_BYTES),
@@ -286,9 +289,21 @@ async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfi
         RuntimeError: the port could not be bound.
     """
     front = front or FrontConfig()
-    server = grpc.aio.server(interceptors=[AccessInterceptor(front)], options=server_options(front.limits),
+    return await serve_inference(InferenceServicer(coordinator, front), host, port, front)
+
+
+async def serve_inference(servicer: pb_grpc.InferenceServicer, host: str, port: int, front: FrontConfig,
+                          reuse_port: bool = False) -> GrpcServer:
+    """A started gRPC server of ``shardserve.v1.Inference`` (``servicer``: a replica's or the
+    router's), health and reflection, behind :class:`AccessInterceptor` and ``front``'s limits and
+    TLS; health says SERVING.
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server(interceptors=[AccessInterceptor(front)], options=server_options(front.limits, reuse_port),
                              maximum_concurrent_rpcs=front.limits.grpc_max_concurrent_rpcs)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator, front), server)
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

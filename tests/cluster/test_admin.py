@@ -29,12 +29,23 @@ def test_defaults_and_fields():
     assert (request.model, request.mode) == ("/ckpt", "abort")
 
 
+class _Answer:
+    """The route's answer: status and JSON body (the route turns OpenAIError into its body)."""
+
+    def __init__(self, pool: ReplicaPool, raw_body: bytes) -> None:
+        try:
+            self.status_code, self.body = 200, asyncio.run(reload_weights(pool, parse_reload(raw_body)))
+        except OpenAIError as err:
+            self.status_code, self.body = err.status, err.body()
+        self.text = json.dumps(self.body)
+
+
 def test_every_replica_must_be_ready():
-    pool = ReplicaPool(2)
-    pool.update(0, {"state": "ready", "address": None, "info": {"healthy": True}})
-    pool.update(1, {"state": RECOVERING, "address": None, "error": "shard worker failed", "info": {"healthy": False}})
-    response = asyncio.run(reload_weights(pool, b"{}"))
-    body = json.loads(response.body)
+    pool = ReplicaPool("01")
+    pool.update("0", {"state": "ready", "address": None, "info": {"healthy": True}})
+    pool.update("1", {"state": RECOVERING, "address": None, "error": "shard worker failed", "info": {"healthy": False}})
+    response = _Answer(pool, b"{}")
+    body = response.body
     assert response.status_code == 503 and "replica 1: recovering: shard worker failed" in body["error"]["message"]
 
 
@@ -57,28 +68,28 @@ class _Stub:
 
 
 def _pool(log: list, errors: dict) -> ReplicaPool:
-    pool = ReplicaPool(2)
+    pool = ReplicaPool("01")
     for index, replica in enumerate(pool.replicas):
-        pool.update(index, {"state": "ready", "address": None, "info": {"healthy": True}, "token": f"token-{index}"})
+        pool.update(replica.key, {"state": "ready", "address": None, "info": {"healthy": True}, "token": f"token-{index}"})
         replica.stub = _Stub(log, index, errors.get(index))
     return pool
 
 
 def test_replicas_reload_one_after_another_and_a_refusal_stops_the_rollout():
     log: list = []
-    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}'))
-    body = json.loads(response.body)
+    response = _Answer(_pool(log, {}), b'{"model": "/new", "mode": "abort"}')
+    body = response.body
     assert response.status_code == 200 and log == [(0, "/new", "abort"), (1, "/new", "abort")]
     assert (body["changed_tensors"], body["weights_version"], body["aborted_requests"]) == (1, 2, 1)
-    assert [answer["replica"] for answer in body["replicas"]] == [0, 1]
+    assert [answer["replica"] for answer in body["replicas"]] == ["0", "1"]
     log.clear()
-    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}"))
-    body = json.loads(response.body)
+    response = _Answer(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}")
+    body = response.body
     assert response.status_code == 400 and body["error"]["code"] == "invalid_checkpoint" and len(log) == 1
     assert "tensor 'w'" in body["error"]["message"]
     log.clear()   # a replica that refuses to start (lock held, drain timed out): 409, the rollout stops
-    response = asyncio.run(reload_weights(_pool(log, {1: grpc.StatusCode.FAILED_PRECONDITION}), b"{}"))
-    body = json.loads(response.body)
+    response = _Answer(_pool(log, {1: grpc.StatusCode.FAILED_PRECONDITION}), b"{}")
+    body = response.body
     assert response.status_code == 409 and body["error"]["code"] == "reload_refused" and len(log) == 2
-    assert "replicas reloaded before it: [0]" in body["error"]["message"]
-    assert "token-" not in response.body.decode()   # no credential in an error body
+    assert "replicas reloaded before it: ['0']" in body["error"]["message"]
+    assert "token-" not in response.text   # no credential in an error body

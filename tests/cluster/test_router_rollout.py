@@ -122,17 +122,17 @@ def test_a_stream_keeps_its_channel_when_the_replica_moves():
 
 def test_pool_closes_a_replaced_channel_only_after_its_last_lease():
     closed = []
-    pool = ReplicaPool(1, connect=lambda address: (f"channel:{address}", f"stub:{address}"), close=closed.append)
-    pool.update(0, ready("a:1"))
+    pool = ReplicaPool("0", connect=lambda address: (f"channel:{address}", f"stub:{address}"), close=closed.append)
+    pool.update("0", ready("a:1"))
     first, second = pool.pick(1, 1), pool.pick(1, 1)
-    pool.update(0, ready("b:1"))                            # replaced while two requests run on a:1
+    pool.update("0", ready("b:1"))                            # replaced while two requests run on a:1
     assert closed == [] and (first.stub, pool.replicas[0].stub) == ("stub:a:1", "stub:b:1")
     first.release()
     first.release()                                         # idempotent: the channel is still held
     assert closed == []
     second.release()
     assert closed == ["channel:a:1"]
-    pool.update(0, ready("c:1"))                            # nothing leased on b:1: closed at once
+    pool.update("0", ready("c:1"))                            # nothing leased on b:1: closed at once
     assert closed == ["channel:a:1", "channel:b:1"]
 
 
@@ -157,8 +157,8 @@ def test_no_waiting_when_no_replica_is_being_replaced(state):
 
 
 def test_an_unreachable_replica_is_waited_for_only_a_while():
-    pool = ReplicaPool(1)
-    pool.update(0, {"state": "ready", "address": None, "info": {"healthy": True}})
+    pool = ReplicaPool("0")
+    pool.update("0", {"state": "ready", "address": None, "info": {"healthy": True}})
     assert not pool.in_transition(30)
     pool.mark_unreachable(pool.replicas[0], "UNAVAILABLE: draining")
     assert pool.in_transition(30) and not pool.in_transition(0)   # gone for longer: 503 at once

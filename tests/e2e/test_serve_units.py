@@ -82,33 +82,33 @@ def test_parsed_fields_follow_openai_defaults():
 
 
 def test_routing_picks_fewest_outstanding_tokens_and_pays_them_back():
-    pool = ReplicaPool(3)
-    for i in range(3):
-        pool.update(i, {"state": "ready", "address": None, "info": {"healthy": True}})
+    pool = ReplicaPool("012")
+    for key in "012":
+        pool.update(key, {"state": "ready", "address": None, "info": {"healthy": True}})
     first = pool.pick(100, 50)                  # all idle: replica 0 (least recently used)
     second = pool.pick(10, 10)                  # 0 holds 150: replica 1
     third = pool.pick(10, 10)                   # 1 and 2 hold 20 / 0: replica 2
-    assert [lease.replica.index for lease in (first, second, third)] == [0, 1, 2]
-    assert pool.pick(1, 1).replica.index == 1   # 1: 20, 2: 20 -> 1 was used less recently
+    assert [lease.replica.key for lease in (first, second, third)] == ["0", "1", "2"]
+    assert pool.pick(1, 1).replica.key == "1"   # 1: 20, 2: 20 -> 1 was used less recently
     first.prefilled(100)                        # prefill done: 0 now holds its 50 output tokens
     first.generated(30)
-    assert pool.replicas[0].outstanding_tokens == 20
-    assert pool.pick(1, 1, exclude=(1, 2)).replica.index == 0
+    assert pool.replicas[0].outstanding_tokens == 20 and pool.replicas[0].outstanding_requests == 1
+    assert pool.pick(1, 1, exclude=("1", "2")).replica.key == "0"
     first.release()
     first.release()                             # idempotent
-    assert pool.replicas[0].outstanding_tokens == 2
+    assert pool.replicas[0].outstanding_tokens == 2 and pool.replicas[0].outstanding_requests == 1
 
 
 def test_routing_skips_replicas_that_are_not_ready():
-    pool = ReplicaPool(2)
+    pool = ReplicaPool("01")
     with pytest.raises(NoReplicaReady, match="0/2 replicas ready"):
         pool.pick(1, 1)
-    pool.update(1, {"state": "ready", "address": None, "info": {"healthy": True}})
-    assert pool.pick(1, 1).replica.index == 1
+    pool.update("1", {"state": "ready", "address": None, "info": {"healthy": True}})
+    assert pool.pick(1, 1).replica.key == "1"
     pool.mark_unreachable(pool.replicas[1], "UNAVAILABLE")
     with pytest.raises(NoReplicaReady, match="unreachable"):
         pool.pick(1, 1)
-    pool.update(1, {"state": "ready", "address": None, "info": {"healthy": False}})  # a rank died
+    pool.update("1", {"state": "ready", "address": None, "info": {"healthy": False}})  # a rank died
     assert pool.replicas[1].state == "failed"
 
 
@@ -175,7 +175,7 @@ def test_no_key_reaches_serve_init_args_only_digests_do():
     app = build_app({"api_key": "sk-plain-key", "admin_api_key": "sk-admin-plain", "data_parallel_size": 2})
     router = app._bound_deployment
     args, replicas = router.init_args
-    for raw in [args] + [replica._bound_deployment.init_args[0] for replica in replicas]:
+    for raw in [args, replicas._bound_deployment.init_args[0]]:
         text = json.dumps(raw)
         assert "sk-plain-key" not in text and "sk-admin-plain" not in text
         assert raw["api_key_sha256"] == [key_digest("sk-plain-key")]
