@@ -16,6 +16,7 @@ import re
 import sys
 
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
+from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.frontend.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
 from shardserve.workers.model_source import DEFAULT_MODEL
@@ -73,6 +74,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                              "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
+    parser.add_argument("--compile", choices=list(COMPILE_MODES), default="off",
+                        help="torch.compile the forward (auto: where it pays, CPU ranks; on: every device); kernels "
+                             "are built once per model shape and cached under $SHARDSERVE_CACHE")
     parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
                         help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
                              "output row, int4 per group of 32")
@@ -150,7 +154,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
                       speculative_tokens=ns.speculative_tokens,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization, compile=ns.compile,
                       recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
 
@@ -346,7 +350,7 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization,
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, compile=ns.compile,
         api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
         max_queued_requests=ns.max_queued_requests,
         request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)

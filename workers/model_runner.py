@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.workers.checkpoint import GGUFCheckpoint
+from shardserve.workers.compilation import CompiledForward, use_compile
 from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_kernel_caches, check_weights_fit,
                                        cpu_cache_plan, gib, resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
@@ -55,6 +56,8 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048   # largest step (profiling)
     max_model_len: int | None = None     # longest sequence (graph table width, profiling); None = the model's
     seed: int = 0                        # seed of the generator for unseeded requests
+    compile: str = "off"                 # "off", "auto" (where it pays: CPU ranks) or "on": torch.compile'd
+                                         # forward (workers/compilation.py)
 
 
 def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
@@ -167,6 +170,8 @@ class ModelRunner:
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
             keep_fp8=self.device.type == "cuda", before_load=self._check_fits, weight_format=weight_format)
+        self.forward = self.model   # the compiled forward after allocate_kv_cache with --compile
+        self.compiled: CompiledForward | None = None
         self.weight_record = self.checkpoint.observer.record
         if self.memory is not None and weight_format is not None:
             self.memory.weights = self.weight_bytes   # the meta-device estimate counted them unpacked
@@ -276,7 +281,18 @@ class ModelRunner:
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
                     memory.weights / 2**20, memory.activation / 2**20, self.cache_bytes / 2**20, num_blocks,
                     self.block_size)
+        self.compile_forward()
         self.capture_graphs()
+
+    def compile_forward(self) -> None:
+        """With ``--compile`` on for this device: compile the forward now (a warm-up step on the
+        scratch-free first block; a cache hit when this model shape was compiled before), so no
+        request pays for it."""
+        if self.compiled is not None or not use_compile(self.config.compile, self.device):
+            return
+        self.compiled = CompiledForward(self.model, self.model.forward)
+        self.forward = self.compiled
+        self.compiled.warm_up(self.model, self.block_size, self.device)
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs on the allocated caches, when this runner uses them (again
@@ -285,7 +301,7 @@ class ModelRunner:
         if backend is not None:
             from shardserve.workers.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs, self.max_model_len,
+            self.graphs = DecodeGraphs(self.forward, self.device, self.config.max_num_seqs, self.max_model_len,
                                        self.block_size, self.num_blocks, backend)
             self.graphs.capture()
 
@@ -375,7 +391,7 @@ class ModelRunner:
         else:
             input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
-                hidden = self.model(input_ids, meta.positions)
+                hidden = self.forward(input_ids, meta.positions)
         if plan.return_hidden:
             self.last_hidden_states = hidden.clone() if rows is None else hidden
         return self.model.compute_logits(hidden if rows is None else hidden[rows])

@@ -21,15 +21,15 @@ from shardserve.workers.models import dsa_indexer
 
 
 def make_runner(path: str | Path, block_size: int = 4, num_blocks: int = 96, tensor_split=None,
-                **switches) -> ModelRunner:
+                compile: str = "off", **switches) -> ModelRunner:
     """A runner for the checkpoint at ``path``; ``switches`` set ``shardserve_<name>`` on the config
-    (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``)."""
+    (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``); ``compile`` is ``RunnerConfig.compile``."""
     files = ModelFiles(Path(path).name, Path(path))
     config = load_config(files)
     for name, value in switches.items():
         setattr(config, f"shardserve_{name}", value)
     return ModelRunner(files, config, RunnerConfig(block_size=block_size, num_blocks=num_blocks,
-                                                   tensor_split=tensor_split), progress=False)
+                                                   tensor_split=tensor_split, compile=compile), progress=False)
 
 
 class PlanDriver:
