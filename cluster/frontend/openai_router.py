@@ -29,6 +29,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
     timed_out, unavailable, usage_chunk)
+from shardserve.cluster.frontend.replica_link import ReplicaLink
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.cluster.frontend.security import FrontConfig
 from shardserve.proto import inference_pb2 as pb
@@ -119,6 +121,7 @@ class RouterCore:
         self.tokenizer_error: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._polled = asyncio.Event()   # set after the first round of status calls
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # replica stub -> ReplicaLink
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
@@ -173,9 +176,18 @@ class RouterCore:
             ready = len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
+    def _link(self, stub) -> ReplicaLink:
+        """The streaming link over ``stub``'s channel (one per replica channel, opened on first use)."""
+        link = self._links.get(stub)
+        if link is None:
+            link = self._links[stub] = ReplicaLink(stub, self._metadata)
+        return link
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        for link in list(self._links.values()):
+            link.close()
         channels = self.pool.detach_channels()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
@@ -317,9 +329,8 @@ class RouterCore:
             if timeout is not None and timeout <= 0:
                 lease.release()
                 raise timed_out(self._timeout_message())
-            stub = lease.stub   # the lease keeps the channel open even if the replica moves
-            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout=timeout,
-                                   metadata=self._metadata)
+            link = self._link(lease.stub)   # the lease keeps the channel open even if the replica moves
+            calls = [link.generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout)
                      for p, ids in enumerate(prompt_ids) for j in range(n)]
             try:
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
@@ -475,18 +486,28 @@ class RouterCore:
             tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
             open_calls = len(tasks)
             while open_calls:
+                # Every event already waiting goes out in one write: a stream that fell behind catches up
+                # in one message through Serve instead of one per token; nothing is held back.
+                events, failed = [], None
                 index, item, offset = await queue.get()
-                if item is None:
-                    open_calls -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    err = self._failed(run, item)
+                while True:
+                    if item is None:
+                        open_calls -= 1
+                    elif isinstance(item, grpc.aio.AioRpcError):
+                        failed = item
+                        break
+                    else:
+                        events.append(self._event(run, index, item, offset) or "")
+                    if queue.empty():
+                        break
+                    index, item, offset = queue.get_nowait()
+                if failed is not None:
+                    err = self._failed(run, failed)
                     run.status = 200   # the stream had started: the error is its last event
-                    yield _sse_data(err.body())
+                    yield "".join(events) + _sse_data(err.body())
                     break
-                else:
-                    event = self._event(run, index, item, offset)
-                    if event:
-                        yield event
+                if any(events):
+                    yield "".join(events)
             else:
                 if run.parsed.include_usage:
                     prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())

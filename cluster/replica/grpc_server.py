@@ -115,26 +115,32 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return self.coordinator.encode(chat=_chat(request.chat))
         return self.coordinator.encode(text=request.text)
 
-    async def Generate(self, request, context):
-        from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
+    def _stream(self, request, deadline: float | None):
+        """The coordinator's output stream of one ``GenerateRequest`` (raises as :func:`_status_of` maps)."""
+        prompt_ids = self._prompt_ids(request)
+        params = sampling_from_proto(request.sampling)
+        return self.coordinator.generate(prompt_ids, params, request.request_id or None, deadline=deadline)
 
+    async def Generate(self, request, context):
         try:
-            prompt_ids = self._prompt_ids(request)
-            params = sampling_from_proto(request.sampling)
-            stream = self.coordinator.generate(prompt_ids, params, request.request_id or None,
-                                               deadline=_deadline(context, self.request_timeout))
-            async for out in stream:
+            async for out in self._stream(request, _deadline(context, self.request_timeout)):
                 yield _response(out)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DeadlineExceeded as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except ReplicaUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
-        except RequestAborted as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except Exception as exc:  # noqa: BLE001 - mapped to its status, or re-raised (UNKNOWN)
+            status = _status_of(exc)
+            if status is None:
+                raise
+            await context.abort(*status)
+
+    async def GenerateStream(self, request_iterator, context):
+        """Many requests over one call (:class:`StreamLink`); one response per engine step."""
+        link = StreamLink(self)
+        reader = asyncio.create_task(link.read(request_iterator))
+        try:
+            while True:
+                yield await link.next_batch()
+        finally:
+            reader.cancel()
+            link.close()
 
     async def Tokenize(self, request, context):
         try:
@@ -161,6 +167,91 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ReplicaUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
         return pb.ReloadWeightsResponse(**result)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a Generate call ends with for ``exc`` (None: not a request's error)."""
+    from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
+
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, ReplicaUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}"
+    if isinstance(exc, RequestAborted):
+        return grpc.StatusCode.ABORTED, str(exc)
+    return None
+
+
+class StreamLink:
+    """The coordinator's side of one ``GenerateStream`` call.
+
+    Each started request runs as a task that appends its responses to one outbox; the call's
+    writer sends the outbox whenever it is not empty. The engine loop hands a step's outputs to
+    every request at once, and their tasks all run before the writer wakes, so a step that
+    produced tokens for many requests of this call is one message (vLLM's batched engine-core
+    outputs); a single stream is never held back.
+    """
+
+    def __init__(self, servicer: InferenceServicer) -> None:
+        self.servicer = servicer
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.responses: list[pb.GenerateResponse] = []
+        self.errors: list[pb.StreamError] = []
+        self.ready = asyncio.Event()
+
+    async def read(self, request_iterator) -> None:
+        """Start and cancel requests as the client sends them."""
+        async for msg in request_iterator:
+            if msg.WhichOneof("kind") == "generate":
+                rid = msg.generate.request_id
+                if not rid or rid in self.tasks:
+                    self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is empty or in use")
+                    continue
+                deadline = asyncio.get_running_loop().time() + msg.timeout_s if msg.timeout_s > 0 else None
+                limit = self.servicer.request_timeout
+                if limit:
+                    deadline = min(deadline or math.inf, asyncio.get_running_loop().time() + limit)
+                self.tasks[rid] = asyncio.create_task(self._run(msg.generate, deadline))
+            elif msg.WhichOneof("kind") == "cancel":
+                task = self.tasks.pop(msg.cancel, None)
+                if task is not None:
+                    task.cancel()   # leaving the coordinator's stream aborts the request, frees its blocks
+
+    async def _run(self, request: pb.GenerateRequest, deadline: float | None) -> None:
+        rid = request.request_id
+        try:
+            async for out in self.servicer._stream(request, deadline):
+                self.responses.append(_response(out))
+                self.ready.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure ends this request only
+            status = _status_of(exc) or (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._fail(rid, *status)
+        finally:
+            self.tasks.pop(rid, None)
+
+    def _fail(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
+        self.errors.append(pb.StreamError(request_id=request_id, code=code.value[0], details=details))
+        self.ready.set()
+
+    async def next_batch(self) -> pb.StreamResponse:
+        """Everything produced since the last batch (waits until there is something)."""
+        await self.ready.wait()
+        self.ready.clear()
+        batch = pb.StreamResponse(responses=self.responses, errors=self.errors)
+        self.responses, self.errors = [], []
+        return batch
+
+    def close(self) -> None:
+        """The call ended (the router went away): abort every request still running on it."""
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
 
 
 class GrpcServer:
