@@ -2,11 +2,13 @@
 count over steps of every shape, and its on-disk cache across start-ups (tiny Llama, float32).
 
 The compiled engine shares one Inductor cache folder (``$SHARDSERVE_CACHE``) for the module: the
-first test compiles cold, the start-up test in a second process must only load from it.
+fixture compiles cold, a second build (in this process after Dynamo's reset; slow: in a second
+process) must only load from it. Fast apart from the one cold compile of a two-layer model.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -78,8 +80,9 @@ def test_compiled_logits_and_greedy_tokens_match_eager_and_transformers(engines,
     hf = llama[1]
     with torch.no_grad():
         for ids, tokens in zip(PROMPTS, ours):
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
+            prompt = torch.tensor([ids])   # explicit mask: token 0 is also the pad id, generate would mask it
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
             assert out[0, len(ids):].tolist() == tokens
 
 
@@ -111,7 +114,27 @@ def test_fifty_steps_of_every_batch_size_compile_once(engines):
     assert compile_stats() == after_start, "a step recompiled the forward"
 
 
+def test_second_build_loads_every_kernel_from_the_disk_cache(engines, llama, caplog):
+    """A new engine after Dynamo's in-memory state is dropped: it traces again, and Inductor finds
+    the graph in the on-disk cache (new module objects: the key holds names, not ids). Runs after
+    the tests that use the module's compiled engine (the reset drops its compiled frames)."""
+    path, _, _ = llama
+    eager = engines[0]
+    torch._dynamo.reset()
+    before = compile_stats()
+    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
+        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
+                               compile="on"), progress=False)
+    after = compile_stats()
+    assert after["cache_hits"] > before["cache_hits"] and after["cache_misses"] == before["cache_misses"], after
+    assert "kernels loaded from the compile cache" in caplog.text
+    for ids in PROMPTS[:2]:
+        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
 def test_second_start_up_reads_the_compile_cache(engines, llama):
+    """The same across processes: a second ``generate`` start-up logs no kernel build."""
     path, _, cache = llama
     env = dict(os.environ, SHARDSERVE_CACHE=str(cache))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
