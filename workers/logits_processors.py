@@ -56,7 +56,13 @@ def apply_token_bitmasks(logits: torch.Tensor, sampling: list[ScheduledRequest])
     # xgrammar indexes the bitmask and the logits by the same rows: a full-height mask, ones elsewhere.
     full = torch.full((logits.shape[0], masks[0].shape[1]), -1, dtype=torch.int32)
     full[rows] = torch.cat(masks)
-    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows)
+    vocab_size = logits.shape[1]
+    if vocab_size % 32:
+        # NOTE: xgrammar 0.2.8's CPU kernel writes -inf past a row's end (into the next row) for
+        # zero bits beyond vocab_size in the last word: set those bits.
+        full[:, vocab_size // 32] |= torch.tensor(~((1 << vocab_size % 32) - 1) & 0xFFFFFFFF).to(torch.int32)
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), vocab_size=vocab_size,
+                                    indices=rows)
 
 
 @dataclass(slots=True)
