@@ -10,9 +10,11 @@ import json
 import grpc
 import pytest
 
+from shardserve.cluster.engine.block_manager import cache_seed
 from shardserve.cluster.engine.engine import RequestOutput
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.replica_link import ReplicaLink
+from shardserve.cluster.frontend.security import FrontConfig, key_digest
 from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull
 from shardserve.cluster.replica.grpc_server import start_grpc_server
 from shardserve.proto import inference_pb2 as pb
@@ -26,15 +28,20 @@ class StepEngine:
         self.tokens, self.queue_limit = tokens_per_request, queue_limit
         self.queues: dict[str, asyncio.Queue] = {}
         self.aborted: list[str] = []
+        self.seen: dict[str, tuple] = {}   # request id -> (SamplingParams, cache_seed, group) as received
 
     def encode(self, text=None, chat=None) -> list[int]:
         return [1, 2]
+
+    async def encode_async(self, text=None, chat=None) -> list[int]:
+        return self.encode(text, chat)
 
     def step(self) -> None:
         for queue in self.queues.values():
             queue.put_nowait(None)
 
-    async def generate(self, prompt_ids, params, request_id=None, deadline=None):
+    async def generate(self, prompt_ids, params, request_id=None, deadline=None, cache_seed=0, group=None):
+        self.seen[request_id] = (repr(params), cache_seed, group)
         if len(self.queues) >= self.queue_limit:
             raise QueueFull("full")
         if params.max_tokens == 99:
@@ -69,10 +76,10 @@ async def until(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def run(scenario):
+def run(scenario, front: FrontConfig | None = None):
     async def main():
         engine = StepEngine()
-        server = await start_grpc_server(engine, "127.0.0.1", 0)
+        server = await start_grpc_server(engine, "127.0.0.1", 0, front)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
             return await scenario(engine, pb_grpc.InferenceStub(channel), server.port)
@@ -146,6 +153,50 @@ def test_a_request_fails_when_the_replica_goes_away():
         return code
 
     assert run(scenario) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generate():
+    """Sampling controls, structured outputs, cache salt, tenant and group reach the engine the same
+    over the link as over Generate, for the router's token (tenant and group kept) and for a client
+    key (its own tenant; the request's tenant and group ignored); no key: UNAUTHENTICATED."""
+    sampling = pb.SamplingParams(
+        max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, logprobs=2, stop=["!"],
+        stop_token_ids=[9], presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
+        logit_bias={5: 1.5}, min_tokens=1, bad_words=["zz"], allowed_token_ids=[1, 2, 5],
+        structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
+    front = FrontConfig.from_keys(["client-key"], internal_digest=key_digest("router-token"))
+
+    def rich(rid: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=[1, 2]), sampling=sampling,
+                                  cache_salt="salt", tenant="tenant-a", group_id="group-1")
+
+    async def scenario(engine, stub, port):
+        for who, key in (("router", "router-token"), ("client", "client-key")):
+            metadata = (("authorization", f"Bearer {key}"),)
+            call = stub.Generate(rich(f"{who}-unary"), metadata=metadata)
+            link = ReplicaLink(stub, metadata)
+            linked = link.generate(rich(f"{who}-link"))
+            await until(lambda: {f"{who}-unary", f"{who}-link"} <= set(engine.queues))
+            for _ in range(3):
+                engine.step()
+            assert [r.text async for r in call] == ["t1 ", "t2 ", "t3 "]
+            assert [(await linked.read()).text for _ in range(3)] == ["t1 ", "t2 ", "t3 "]
+            link.close()
+        anonymous = ReplicaLink(stub)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await anonymous.generate(rich("nobody")).read()
+        return engine.seen, refused.value.code()
+
+    seen, refused = run(scenario, front)
+    for who in ("router", "client"):
+        assert seen[f"{who}-link"] == seen[f"{who}-unary"], who
+    params, seed, group = seen["router-link"]
+    for value in ("logit_bias={5: 1.5}", "bad_words=['zz']", "allowed_token_ids=[1, 2, 5]", "[ab]+",
+                  "repetition_penalty=1.1", "min_tokens=1", "logprobs=2"):
+        assert value in params, value
+    assert (seed, group) == (cache_seed("tenant-a", "salt"), "group-1")
+    assert seen["client-link"][1] not in (0, seed) and seen["client-link"][2] is None
+    assert "nobody" not in seen and refused == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize("stream", [False, True])
