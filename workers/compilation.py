@@ -25,8 +25,13 @@ shape, dtype, TP split and torch version), so a second start-up of the same mode
 (Dynamo) and loads the compiled kernels; :func:`compile_stats` tells which happened.
 
 ``--compile auto`` compiles where it was measured to pay (``benchmarks/bench_compile.py``): CPU
-ranks. On CUDA the decode graphs (``workers/cuda_graphs.py``) capture the compiled forward, and
-prefill / verify steps run it eagerly (outside a graph).
+ranks. On the 2-core development machine (SmolLM2-135M Q4_1, one thread, one run) the compiled
+forward cut decode CPU per step by 22% at batch 1 and 18% at batch 8, for +24 s of start-up CPU
+with a warm cache (Dynamo traces again; Inductor loads the kernels) and ~95 s cold: it pays back
+after ~1.4k decode steps. CUDA ranks are not compiled under ``auto`` (not measured yet; their
+decode graphs already remove the launch cost). With ``on`` the decode graphs
+(``workers/cuda_graphs.py``) capture the compiled forward, and prefill / verify steps run it
+outside a graph.
 """
 
 from __future__ import annotations
