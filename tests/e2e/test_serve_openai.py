@@ -397,11 +397,15 @@ CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "東
 
 
 def grammar_matchers(server) -> list[int]:
-    """``num_grammar_matchers`` of every replica, over its own gRPC API."""
-    _, _, raw = http(server.base + "/health")
+    """``num_grammar_matchers`` of every replica, over its own gRPC API (addresses from the Serve
+    handles: ``/health`` no longer lists the replicas)."""
+    from ray import serve
+
     counts = []
-    for replica in json.loads(raw)["replicas"]:
-        with grpc.insecure_channel(replica["address"]) as channel:
+    for index in range(2):
+        address = serve.get_deployment_handle(f"ModelReplica{index}", APP_NAME).status.remote().result(
+            timeout_s=30)["address"]
+        with grpc.insecure_channel(address) as channel:
             counts.append(pb_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30).num_grammar_matchers)
     return counts
 
