@@ -94,6 +94,8 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve (message says why)."""
         params.validate()
+        if params.structured_outputs is not None:   # the grammar path lands next (issue 26 item 1)
+            raise ValueError("structured_outputs: not implemented yet by this engine")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:

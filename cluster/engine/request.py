@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,77 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's ``structured_outputs``; OpenAI's ``response_format``).
+
+    Frozen and hashable: it is the key of the compiled-grammar cache (``cluster/frontend/structured.py``).
+    Build one with the constructors (:meth:`json_schema`, :meth:`json_object`, :meth:`regex`,
+    :meth:`choice`, :meth:`grammar`) rather than by hand.
+
+    Attributes:
+        kind: ``"json"`` (a JSON schema), ``"json_object"`` (any JSON object), ``"regex"`` (the
+            whole output matches the pattern), ``"choice"`` (the output is exactly one of the
+            strings) or ``"grammar"`` (an EBNF grammar in xgrammar's / llama.cpp's GBNF dialect,
+            start rule ``root``).
+        value: ``json``: the schema as JSON text; ``regex``: the pattern; ``choice``: a tuple of
+            strings; ``grammar``: the EBNF text; ``json_object``: None.
+        disable_any_whitespace: JSON kinds: no optional whitespace between tokens (compact JSON;
+            vLLM's field of that name). Small models otherwise may emit whitespace without end.
+
+    Raises:
+        ValueError: an unknown kind or a value of the wrong type (message names the kind).
+    """
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind == "json_object":
+            ok = self.value is None
+        elif self.kind == "choice":
+            ok = isinstance(self.value, tuple) and bool(self.value) and all(isinstance(c, str) for c in self.value)
+        else:
+            ok = isinstance(self.value, str) and bool(self.value)
+        if not ok:
+            want = {"json_object": "no value", "choice": "a non-empty list of strings"}.get(self.kind, "a non-empty string")
+            raise ValueError(f"structured output {self.kind!r} needs {want}, got {self.value!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, disable_any_whitespace: bool = False) -> StructuredOutputs:
+        """From a JSON schema (a dict, or its JSON text). Raises ValueError: the text is not JSON."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), disable_any_whitespace)
+
+    @classmethod
+    def json_object(cls, disable_any_whitespace: bool = False) -> StructuredOutputs:
+        return cls("json_object", None, disable_any_whitespace)
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutputs:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> StructuredOutputs:
+        return cls("choice", tuple(choices))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> StructuredOutputs:
+        return cls("grammar", ebnf)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What a user asks for (OpenAI / vLLM semantics).
@@ -46,6 +118,7 @@ class SamplingParams:
         stop: at most 4 strings that end the output (not included in it).
         stop_token_ids: token ids that end the output (in addition to EOS unless ignore_eos).
         logprobs: None, or N >= 0 = the chosen token's logprob plus the top-N.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar; None = free.
     """
 
     max_tokens: int | None = 16
@@ -58,6 +131,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, warn_if_exposed
+from shardserve.cluster.frontend.structured import structured_from_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -36,6 +37,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_from_proto(msg.structured_outputs)
     params.validate()
     return params
 
