@@ -15,6 +15,7 @@ import logging
 import re
 import sys
 
+from shardserve.cluster import cli_agents
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.frontend.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
@@ -349,7 +350,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         recovery_timeout=ns.recovery_timeout, quantization=ns.quantization,
         api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
         max_queued_requests=ns.max_queued_requests,
-        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)
+        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key,
+        **cli_agents.parser_settings(ns))
 
 
 def _wait_until_serving(url: str, timeout_s: float) -> dict:
@@ -583,6 +585,14 @@ def _generate(ns: argparse.Namespace) -> int:
     args.validate()
     check_model(args.model)
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
+    agent = cli_agents.agent_chat(ns)
+    output = None
+    if agent is not None:   # tools or parsers: render here, send token ids, print the parsed answer
+        from shardserve.cluster.tokenizer import load_tokenizer
+        from shardserve.workers.model_source import resolve_model
+
+        prompt, _, output, params.structured_outputs = agent.encode(load_tokenizer(resolve_model(args.model)))
+        params.skip_special_tokens = output is None or not output.needs_special_tokens
     if args.tensor_parallel_size > 1:
         completion = _generate_on_cluster(ns, args, prompt, params)
     else:
@@ -591,7 +601,10 @@ def _generate(ns: argparse.Namespace) -> int:
         (done,) = LLM(args).generate([prompt], params)
         completion = {"text": done.text, "finish_reason": done.finish_reason,
                       "num_prompt_tokens": len(done.prompt_token_ids), "num_output_tokens": len(done.token_ids)}
-    sys.stdout.write(completion["text"] + "\n")
+    if agent is not None:
+        sys.stdout.write(cli_agents.answer_json(completion["text"], output, completion["finish_reason"]) + "\n")
+    else:
+        sys.stdout.write(completion["text"] + "\n")
     logging.getLogger("shardserve").info("finish_reason=%s, %d prompt + %d output tokens", completion["finish_reason"],
                                          completion["num_prompt_tokens"], completion["num_output_tokens"])
     return 0
@@ -612,7 +625,10 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     try:
         handle, pg = launch_coordinator(args, group)
         try:
-            ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
+            if prompt and isinstance(prompt, list) and isinstance(prompt[0], int):
+                ids = list(prompt)   # rendered by the caller
+            else:
+                ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
             out = ray.get(handle.complete.remote(ids, params))
         except ray.exceptions.RayActorError as exc:   # the coordinator failed to start (e.g. does not fit)
             raise ServeStartError(root_cause(exc)) from None
@@ -662,6 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
+    cli_agents.add_generate_flags(gen)
     gen.set_defaults(func=_generate)
 
     grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C",
@@ -712,6 +729,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=300.0,
                         help="seconds a replaced replica may take to finish its running requests (size it for "
                              "your longest completion)")
+    cli_agents.add_parser_flags(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from pathlib import Path
 from ray import serve
 
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.frontend.chat_output import ParserConfig
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.replica_pool import FAILED, READY, RECOVERING
@@ -92,6 +93,8 @@ class ServeArgs:
         request_timeout: seconds a request may take (None: no limit); past it, 408.
         grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
             every node); the router trusts the certificate when it dials them.
+        tool_call_parser, enable_auto_tool_choice, reasoning_parser: how the router parses chat
+            answers (vLLM's flags; see :class:`cluster.frontend.chat_output.ParserConfig`).
     """
 
     model: str = DEFAULT_MODEL
@@ -133,6 +136,9 @@ class ServeArgs:
     request_timeout: float | None = None
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -158,6 +164,7 @@ class ServeArgs:
         FileNotFoundError for a key or certificate file that does not exist."""
         self.engine_args().validate()
         self.front_config().validate()
+        self.parser_config().validate()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -192,6 +199,9 @@ class ServeArgs:
         return FrontConfig(api_keys=load_api_keys(self.api_key, self.api_key_file),
                            max_queued_requests=self.max_queued_requests, request_timeout=self.request_timeout,
                            grpc_tls_cert=self.grpc_tls_cert, grpc_tls_key=self.grpc_tls_key)
+
+    def parser_config(self) -> ParserConfig:
+        return ParserConfig(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -340,7 +350,8 @@ class OpenAIRouter:
         self.front = cfg.front_config()
         self.core = RouterCore(cfg.model, cfg.served_names(),
                                [functools.partial(_replica_status, handle) for handle in replicas],
-                               functools.partial(_load_tokenizer, cfg.model), front=self.front)
+                               functools.partial(_load_tokenizer, cfg.model), front=self.front,
+                               parsers=cfg.parser_config())
         self.core.start()
         try:
             await self.core.wait_started()

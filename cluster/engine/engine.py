@@ -121,7 +121,8 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
-        self.requests[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop))
+        self.requests[request_id] = _Tracked(request, IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens))
         self.scheduler.add(request)
         return request_id
 

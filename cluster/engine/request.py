@@ -119,6 +119,8 @@ class SamplingParams:
         stop_token_ids: token ids that end the output (in addition to EOS unless ignore_eos).
         logprobs: None, or N >= 0 = the chosen token's logprob plus the top-N.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar; None = free.
+        skip_special_tokens: leave special tokens out of the text (False: tool-call and thinking
+            parsers need their markers, which some tokenizers make special tokens).
     """
 
     max_tokens: int | None = 16
@@ -132,6 +134,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from shardserve.cluster.frontend.chat_output import ChoiceDelta, ParserConfig, delta_body
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
@@ -102,13 +103,16 @@ class RouterCore:
         front: API keys (the first one is sent to the replicas), gRPC TLS (the certificate is
             trusted when dialling a replica) and the request timeout.
         route_wait_s: how long a request waits for a replica that is being replaced.
+        parsers: tool-call and reasoning parsers of chat answers (``--tool-call-parser``,
+            ``--enable-auto-tool-choice``, ``--reasoning-parser``).
     """
 
     def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
                  load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None,
-                 route_wait_s: float = 30.0) -> None:
+                 route_wait_s: float = 30.0, parsers: ParserConfig | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
+        self.parsers = parsers or ParserConfig()
         tls = self.front.grpc_tls()
         self.pool = ReplicaPool(len(fetchers), functools.partial(_connect, root_certificates=tls and tls[0]), _close)
         self._metadata = (("authorization", f"Bearer {self.front.api_keys[0]}"),) if self.front.api_keys else ()
@@ -245,9 +249,14 @@ class RouterCore:
             if parsed.model is not None and parsed.model not in self.served_names:
                 raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
                                   f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
+            if kind == "chat":
+                self.parsers.check(parsed.chat)
             self._ready_or_503()
-            prompt_ids = [self._encode(kind, prompt) for prompt in parsed.prompts]
-            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None)
+            encoded = [self._encode(kind, prompt, parsed.chat) for prompt in parsed.prompts]
+            outputs = [self.parsers.output(parsed.chat, text, parsed.structured is not None) if kind == "chat" else None
+                       for _, text in encoded for _ in range(parsed.n)]
+            run = await self._start(parsed, [ids for ids, _ in encoded], started,
+                                    started + timeout if timeout else None, outputs)
         except OpenAIError as err:
             self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected")
             headers = {"Retry-After": str(_RETRY_AFTER_S)} if err.status == 429 else None
@@ -261,18 +270,24 @@ class RouterCore:
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
         return await self._complete(run)
 
-    def _encode(self, kind: str, prompt) -> list[int]:
-        from shardserve.cluster.tokenizer import encode_chat, encode_prompt
+    def _encode(self, kind: str, prompt, options=None) -> tuple[list[int], str | None]:
+        """``(token ids, rendered chat text or None)`` of one prompt."""
+        from shardserve.cluster.tokenizer import encode_prompt, encode_rendered, render_chat
 
         try:
             if kind == "chat":
-                return encode_chat(self.tokenizer, prompt)
-            return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+                text = render_chat(self.tokenizer, prompt, tools=options and options.tools,
+                                   template_kwargs=options and options.template_kwargs)
+                return encode_rendered(self.tokenizer, text), text
+            return (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)), None
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from exc
 
-    def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int) -> pb.GenerateRequest:
+    def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int,
+                      output=None) -> pb.GenerateRequest:
         sampling = pb.SamplingParams(**parsed.sampling)
+        if output is not None and output.needs_special_tokens:
+            sampling.skip_special_tokens = False   # the parsers' markers may be special tokens
         if parsed.seed is not None:
             sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
         if parsed.logprobs is not None:
@@ -282,7 +297,7 @@ class RouterCore:
         return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids), sampling=sampling)
 
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
-                     deadline: float | None) -> _Run:
+                     deadline: float | None, outputs: list | None = None) -> _Run:
         """Open every choice's call on the least-loaded replica and read its first response; a
         replica whose queue is full is skipped for the next one.
 
@@ -321,8 +336,9 @@ class RouterCore:
                 lease.release()
                 raise timed_out(self._timeout_message())
             stub = lease.stub   # the lease keeps the channel open even if the replica moves
-            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout=timeout,
-                                   metadata=self._metadata)
+            outputs = outputs or [None] * (len(prompt_ids) * n)
+            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j, outputs[p * n + j]),
+                                   timeout=timeout, metadata=self._metadata)
                      for p, ids in enumerate(prompt_ids) for j in range(n)]
             try:
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
@@ -354,7 +370,7 @@ class RouterCore:
         self.metrics.routed.labels(str(lease.replica.index)).inc()
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
-                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started)
+                   [Choice(i, output=outputs[i]) for i in range(len(calls))], [None] * len(calls), started)
         for index, first in enumerate(firsts):
             if first is not grpc.aio.EOF:
                 self._absorb(run, index, first)
@@ -438,7 +454,16 @@ class RouterCore:
         """The SSE event for one response of choice ``index`` whose text starts at character
         ``offset`` of the choice (None when the response carries nothing)."""
         reason = finish_reason(resp.finish_reason)
-        if not resp.text and not resp.logprobs and reason is None:
+        output, fields = run.choices[index].output, None
+        if output is not None:   # parsed chat: reasoning, content and tool-call deltas
+            delta = output.feed(resp.text) if resp.text else ChoiceDelta()
+            if reason is not None:
+                delta.extend(output.finish())
+                reason = output.finish_reason(reason)
+            fields = delta_body(delta)
+            if not fields and not resp.logprobs and reason is None:
+                return None
+        elif not resp.text and not resp.logprobs and reason is None:
             return None
         logprobs = None
         if run.parsed.logprobs is not None and resp.logprobs:
@@ -447,7 +472,7 @@ class RouterCore:
             else:
                 logprobs = completion_logprobs(resp.logprobs, self.token_text, offset)
         body = chunk_body(run.parsed.kind, run.request_id, run.created, run.model, index, text=resp.text or None,
-                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage)
+                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage, fields=fields)
         return _sse_data(body)
 
     async def _sse(self, run: _Run) -> AsyncIterator[str]:

@@ -14,6 +14,7 @@ request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import grpc
@@ -26,6 +27,7 @@ from shardserve.cluster.frontend.structured import structured_from_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
+_NO_PARAMETERS = '{"type": "object", "properties": {}}'
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)   # health checks need no key; everything else does
 
@@ -34,7 +36,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling fields -> :class:`SamplingParams` (unset optionals keep the defaults)."""
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
     if msg.HasField("structured_outputs"):
@@ -43,8 +45,41 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return params
 
 
-def _chat(msg: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
+def _chat(msg: pb.Chat) -> dict:
+    """``encode`` arguments of a proto chat: the template's messages, ``tools`` and extra variables,
+    checked as the HTTP API checks them (:mod:`cluster.frontend.chat_request`).
+
+    Raises:
+        ValueError: a malformed message, tool or ``template_kwargs``.
+    """
+    from shardserve.cluster.frontend.chat_request import chat_messages, parse_chat_options
+    from shardserve.cluster.frontend.openai_protocol import OpenAIError
+
+    messages = []
+    for m in msg.messages:
+        entry = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            entry["tool_calls"] = [{"id": c.id or None, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key):
+                entry[key] = getattr(m, key)
+        if m.HasField("reasoning_content"):
+            entry["reasoning_content"] = m.reasoning_content
+        messages.append(entry)
+    try:
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or None,
+                                                   "parameters": json.loads(t.parameters or _NO_PARAMETERS)}}
+                 for t in msg.tools]
+        kwargs = json.loads(msg.template_kwargs) if msg.template_kwargs else None
+    except ValueError as exc:
+        raise ValueError(f"chat: a tool's parameters or template_kwargs is not valid JSON: {exc}") from None
+    try:
+        chat = chat_messages(messages)
+        options = parse_chat_options({"tools": tools, "tool_choice": "none", "chat_template_kwargs": kwargs})
+    except OpenAIError as exc:
+        raise ValueError(exc.message) from None
+    return {"chat": chat, "tools": options.tools, "template_kwargs": options.template_kwargs}
 
 
 def _response(out) -> pb.GenerateResponse:
@@ -115,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            return self.coordinator.encode(chat=_chat(request.chat))
+            return self.coordinator.encode(**_chat(request.chat))
         return self.coordinator.encode(text=request.text)
 
     async def Generate(self, request, context):
@@ -142,7 +177,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         try:
             if request.WhichOneof("prompt") == "chat":
-                ids = self.coordinator.encode(chat=_chat(request.chat))
+                ids = self.coordinator.encode(**_chat(request.chat))
             else:
                 ids = self.coordinator.encode(text=request.text)
         except ValueError as exc:

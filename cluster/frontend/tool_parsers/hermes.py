@@ -29,7 +29,11 @@ class JsonCallStreamer:
 
     def feed(self, parser, out: ParseDelta, buf: str, i: int, final: bool) -> int:
         """Feed ``buf[i:]``; announces the call once named and streams its arguments. Returns
-        where it stopped. Raises :class:`Malformed` only before the call was announced."""
+        where it stopped.
+
+        Raises:
+            Malformed: not JSON (check :attr:`started`: was the call announced already?).
+        """
         call = self.call
         end = call.feed(buf, i, final)
         if call.name is not None and not self.started:
