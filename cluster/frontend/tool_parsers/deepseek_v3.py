@@ -59,6 +59,9 @@ class DeepSeekV3ToolParser(MarkupParser):
                 self._head += buf[i:end]
                 i = end + len(ends[0])
                 if state == "head":
+                    if not _is_name(self._head.strip()):
+                        self._broken("not a type or name before the separator")
+                        return i
                     self._state = "after_sep"
                 elif self._announce(out, self._head.strip()):
                     self._state = "fence"
@@ -105,7 +108,7 @@ class DeepSeekV3ToolParser(MarkupParser):
             return i if end is False else end
 
     def _announce(self, out: ParseDelta, name: str) -> bool:
-        if not name or any(c in name for c in '{}<>"\n'):
+        if not _is_name(name):
             self._broken("not a function name")
             return False
         self._start_call(out, name)
@@ -125,6 +128,10 @@ class DeepSeekV3ToolParser(MarkupParser):
         if done:
             self._held = ""
         self._args(out, body)
+
+
+def _is_name(text: str) -> bool:
+    return bool(text) and not any(c in text for c in '{}<>"\n')
 
 
 class DeepSeekV31ToolParser(DeepSeekV3ToolParser):

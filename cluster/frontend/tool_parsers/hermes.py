@@ -35,10 +35,20 @@ class JsonCallStreamer:
             Malformed: not JSON (check :attr:`started`: was the call announced already?).
         """
         call = self.call
-        end = call.feed(buf, i, final)
-        if call.name is not None and not self.started:
-            parser._start_call(out, call.name)
-            self.started = True
+        while True:
+            try:
+                end = call.feed(buf, i, final)
+            except Malformed:
+                if self.started and not call.args_is_string:   # what came before the fault still counts
+                    parser._args(out, call.args_raw[self._sent:])
+                    self._sent = len(call.args_raw)
+                raise
+            if call.name is not None and not self.started:
+                parser._start_call(out, call.name)
+                self.started = True
+            if call.done or end >= len(buf) or end == i:
+                break
+            i = end
         if self.started and not call.args_is_string:
             parser._args(out, call.args_raw[self._sent:])
             self._sent = len(call.args_raw)
@@ -76,10 +86,10 @@ class HermesToolParser(MarkupParser):
                 try:
                     i = self._streamer.feed(self, out, buf, i, self._final)
                 except Malformed:
-                    if not self._streamer.started:
+                    if not self._streamer.started and not self.block_has_calls():
                         raise
                     self._end_call()
-                    self._state = "skip"
+                    self._state = "skip"          # the block made calls: its broken rest is dropped
                     continue
                 if not self._streamer.call.done:
                     return i

@@ -35,7 +35,7 @@ class JsonValue:
         :attr:`done`; a number or literal ends at the delimiter after it, not consumed).
 
         Raises:
-            Malformed: not JSON.
+            Malformed: not JSON; ``args[1]`` is the index of the offending character.
         """
         size = len(buf)
         while i < size:
@@ -56,7 +56,7 @@ class JsonValue:
                         self.done = True
                         return i + 1
                 elif char < " ":
-                    raise Malformed("a control character inside a JSON string")
+                    raise Malformed("a control character inside a JSON string", i)
                 i += 1
                 continue
             if self.bare:
@@ -73,7 +73,7 @@ class JsonValue:
                 self.stack.append(char)
             elif char in "}]":
                 if not self.stack or _CLOSE[self.stack[-1]] != char:
-                    raise Malformed("unbalanced brackets")
+                    raise Malformed("unbalanced brackets", i)
                 self.stack.pop()
                 if not self.stack:
                     self.done = True
@@ -81,7 +81,7 @@ class JsonValue:
             elif char in _BARE:
                 self.bare = True
             elif not self.stack or char not in WHITESPACE + ",:":
-                raise Malformed(f"{char!r} in a JSON value")
+                raise Malformed(f"{char!r} in a JSON value", i)
             i += 1
         if final and self.bare and not self.stack:
             self.done = True
@@ -123,7 +123,9 @@ class JsonCall:
         return self.args_raw
 
     def feed(self, buf: str, i: int, final: bool) -> int:
-        """Consume ``buf`` from ``i`` up to the end of the object; returns where it stopped.
+        """Consume ``buf`` from ``i`` up to the end of the object; returns where it stopped (also
+        right after the name is complete, so the caller announces the call before reading on:
+        where the text was split never changes whether a call was announced).
 
         Raises:
             Malformed: not a call object (not JSON, no ``{``, a name that is not a string, or an
@@ -159,7 +161,12 @@ class JsonCall:
                     self.args_raw, self.args_is_string = "", char == '"'
                 self.state = "value"
             elif state == "value":
-                end = self._value.feed(buf, i, final)
+                try:
+                    end = self._value.feed(buf, i, final)
+                except Malformed as exc:   # keep the arguments up to the fault: whole = split
+                    if self.key in ARGUMENT_KEYS:
+                        self.args_raw += buf[i:exc.args[1]]
+                    raise
                 piece = buf[i:end]
                 if self.key in ARGUMENT_KEYS:
                     self.args_raw += piece
@@ -168,6 +175,8 @@ class JsonCall:
                 i = end
                 if self._value.done:
                     self._value_done()
+                    if self.key == "name":
+                        return i
             elif state == "after_value":
                 if char == ",":
                     self.state = "key_or_end"

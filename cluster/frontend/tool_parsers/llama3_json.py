@@ -53,8 +53,9 @@ class Llama3JsonToolParser(ToolParser):
         out = ParseDelta()
         while self._buf:
             state, buf = self._state, self._buf
-            if state == "plain":
-                out.content += self._plain.text(buf)
+            if state in ("plain", "skip"):
+                if state == "plain":
+                    out.content += self._plain.text(buf)
                 self._buf = ""
                 break
             if state == "object":
@@ -97,10 +98,9 @@ class Llama3JsonToolParser(ToolParser):
         try:
             end = self._streamer.feed(self, out, self._buf, 0, self._final)
         except Malformed:
-            if self._streamer.started:          # broken JSON in an announced call: it ends there
+            if self._streamer.started:          # broken JSON in an announced call: the answer ends there
                 self._end_call()
-                self._plain.block_ends()
-                self._streamer, self._state = None, "plain"
+                self._streamer, self._state, self._buf = None, "skip", ""
                 return True
             self._buf, self._raw = self._raw + self._buf, ""   # not a call: content from its start
             self._streamer, self._state = None, "plain"
