@@ -105,7 +105,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 def build_openai_app(core, api_keys: list[str] | None = None) -> FastAPI:
     """The HTTP app over ``core``.
 
-    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
     ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, ``POST /admin/reload_weights``
     (:mod:`cluster.frontend.admin`), and FastAPI's ``/docs``,
     ``/redoc`` and ``/openapi.json``. Add new routes here: the guard covers them either way.
@@ -126,6 +126,10 @@ def build_openai_app(core, api_keys: list[str] | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await core.generate("completion", await request.body())
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await core.generate("responses", await request.body())
 
     @app.get("/v1/models")
     async def models() -> Response:

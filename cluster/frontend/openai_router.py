@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.cluster.frontend.chat_output import ChoiceDelta, ParserConfig, delta_body
+from shardserve.cluster.frontend.chat_output import ChoiceDelta, ChoiceOutput, ParserConfig, delta_body
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
     timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.responses_api import parse_responses
 from shardserve.cluster.frontend.security import FrontConfig
 from shardserve.cluster.frontend.structured import structured_to_proto
 from shardserve.proto import inference_pb2 as pb
@@ -239,22 +240,29 @@ class RouterCore:
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, kind: str, raw_body: bytes) -> Response:
-        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``)."""
+        """``POST /v1/chat/completions`` (kind ``chat``), ``/v1/completions`` (``completion``) or
+        ``/v1/responses`` (``responses``: a chat underneath, see :mod:`cluster.frontend.responses_api`)."""
         started = time.monotonic()
-        endpoint = "chat" if kind == "chat" else "completions"
+        endpoint = {"chat": "chat", "completion": "completions"}.get(kind, kind)
         timeout = self.front.request_timeout
+        echo = None
         try:
             body = load_body(raw_body)
-            parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+            if kind == "responses":
+                parsed, echo = parse_responses(body)
+            else:
+                parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
             if parsed.model is not None and parsed.model not in self.served_names:
                 raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
                                   f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
-            if kind == "chat":
+            if parsed.kind == "chat":
                 self.parsers.check(parsed.chat)
             self._ready_or_503()
-            encoded = [self._encode(kind, prompt, parsed.chat) for prompt in parsed.prompts]
-            outputs = [self.parsers.output(parsed.chat, text, parsed.structured is not None) if kind == "chat" else None
-                       for _, text in encoded for _ in range(parsed.n)]
+            encoded = [self._encode(parsed.kind, prompt, parsed.chat) for prompt in parsed.prompts]
+            outputs = [self.parsers.output(parsed.chat, text, parsed.structured is not None)
+                       if parsed.kind == "chat" else None for _, text in encoded for _ in range(parsed.n)]
+            if echo is not None:   # a response always has items, parsed or not
+                outputs = [output or ChoiceOutput(None, None) for output in outputs]
             run = await self._start(parsed, [ids for ids, _ in encoded], started,
                                     started + timeout if timeout else None, outputs)
         except OpenAIError as err:
@@ -265,6 +273,10 @@ class RouterCore:
             self.metrics.count(endpoint, 499, "cancelled")
             raise
         run.endpoint = endpoint
+        if echo is not None:
+            from shardserve.cluster.frontend.responses_route import respond
+
+            return await respond(self, run, echo)
         if parsed.stream:
             run.status = 200
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
