@@ -15,7 +15,7 @@ from shardserve.cluster.frontend.chat_output import ChoiceDelta, ParserConfig, d
 from shardserve.cluster.frontend.chat_request import MAX_TOOLS, chat_messages, tool_constraint
 from shardserve.cluster.frontend.openai_protocol import OpenAIError, parse_chat, parse_completion
 from shardserve.cluster.frontend.reasoning import get_reasoning_parser
-from shardserve.cluster.frontend.tool_parsers import get_tool_parser
+from shardserve.cluster.frontend.tool_parsers import get_tool_parser, parse_text
 
 CHAT = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -249,3 +249,29 @@ def test_parsers_for_every_name_build():
         get_tool_parser(name)({})
     for name in ("deepseek_r1", "qwen3"):
         get_reasoning_parser(name)("", None)
+
+
+def test_builtin_deepseek_v32_template_and_dsml_parser_agree(tmp_path):
+    """Calls in the history, rendered by the built-in DeepSeek-V3.2 template, parse back to the same
+    calls with the deepseek_v32 parser (every JSON type, non-ASCII, no parameters)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from shardserve.cluster.tokenizer import builtin_template, render_chat
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")),
+                                        bos_token="<｜begin▁of▁sentence｜>")
+    tokenizer.chat_template = builtin_template(tmp_path / "config.json")
+    calls = [("get_weather", {"city": "杭州", "days": 3}),
+             ("record", {"s": 'a "b"\nc', "f": 2.5, "ok": True, "none": None, "arr": [1, "二"], "obj": {"k": [{}]}}),
+             ("ping", {})]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for i, (n, a) in enumerate(calls)]}]
+    text = render_chat(tokenizer, chat_messages(history), tools=[WEATHER])
+    answer = text.split("<｜Assistant｜></think>", 1)[1].removesuffix("<｜end▁of▁sentence｜>")
+    result = parse_text(get_tool_parser("deepseek_v32")({}), answer)
+    assert result.content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in result.calls] == calls
+    assert text.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n") and '"name": "get_weather"' in text
