@@ -367,12 +367,10 @@ class Coordinator:
         return changed, unchanged
 
     # -- requests ---------------------------------------------------------------------------------
-    def encode(self, text: str | None = None, chat: list[dict] | None = None, tools: list[dict] | None = None,
-               template_kwargs: dict | None = None) -> list[int]:
-        """Prompt ids of a raw text or a chat (with the template's ``tools`` and extra variables).
-        Raises ValueError on a malformed prompt."""
+    def encode(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
+        """Prompt ids of a raw text or a chat. Raises ValueError on a malformed prompt."""
         if chat is not None:
-            return encode_chat(self.tokenizer, chat, tools=tools, template_kwargs=template_kwargs)
+            return encode_chat(self.tokenizer, chat)
         if not text:
             raise ValueError("prompt must not be empty")
         return encode_prompt(self.tokenizer, text)

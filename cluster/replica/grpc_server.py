@@ -14,7 +14,6 @@ request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
 import grpc
@@ -24,10 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, warn_if_exposed
 from shardserve.cluster.frontend.structured import structured_from_proto
+from shardserve.cluster.replica.grpc_chat import chat_prompt, parsed_response
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
-_NO_PARAMETERS = '{"type": "object", "properties": {}}'
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)   # health checks need no key; everything else does
 
@@ -43,43 +42,6 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         params.structured_outputs = structured_from_proto(msg.structured_outputs)
     params.validate()
     return params
-
-
-def _chat(msg: pb.Chat) -> dict:
-    """``encode`` arguments of a proto chat: the template's messages, ``tools`` and extra variables,
-    checked as the HTTP API checks them (:mod:`cluster.frontend.chat_request`).
-
-    Raises:
-        ValueError: a malformed message, tool or ``template_kwargs``.
-    """
-    from shardserve.cluster.frontend.chat_request import chat_messages, parse_chat_options
-    from shardserve.cluster.frontend.openai_protocol import OpenAIError
-
-    messages = []
-    for m in msg.messages:
-        entry = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            entry["tool_calls"] = [{"id": c.id or None, "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
-        for key in ("tool_call_id", "name"):
-            if getattr(m, key):
-                entry[key] = getattr(m, key)
-        if m.HasField("reasoning_content"):
-            entry["reasoning_content"] = m.reasoning_content
-        messages.append(entry)
-    try:
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or None,
-                                                   "parameters": json.loads(t.parameters or _NO_PARAMETERS)}}
-                 for t in msg.tools]
-        kwargs = json.loads(msg.template_kwargs) if msg.template_kwargs else None
-    except ValueError as exc:
-        raise ValueError(f"chat: a tool's parameters or template_kwargs is not valid JSON: {exc}") from None
-    try:
-        chat = chat_messages(messages)
-        options = parse_chat_options({"tools": tools, "tool_choice": "none", "chat_template_kwargs": kwargs})
-    except OpenAIError as exc:
-        raise ValueError(exc.message) from None
-    return {"chat": chat, "tools": options.tools, "template_kwargs": options.template_kwargs}
 
 
 def _response(out) -> pb.GenerateResponse:
@@ -145,24 +107,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.coordinator = coordinator
         self.request_timeout = request_timeout
 
-    def _prompt_ids(self, request) -> list[int]:
+    def _prompt(self, request, params: SamplingParams) -> tuple[list[int], object]:
+        """Prompt ids, and the output chain when the request asks for parsing (else None)."""
         kind = request.WhichOneof("prompt")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
+        parsing = request.parsing if request.HasField("parsing") else None
         if kind == "chat":
-            return self.coordinator.encode(**_chat(request.chat))
-        return self.coordinator.encode(text=request.text)
+            return chat_prompt(self.coordinator.tokenizer, request.chat, parsing, params)
+        if parsing is not None:
+            raise ValueError("parsing: needs a chat prompt (its template and tools tell how to read the answer)")
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
+        return self.coordinator.encode(text=request.text), None
 
     async def Generate(self, request, context):
         from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
 
         try:
-            prompt_ids = self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            prompt_ids, output = self._prompt(request, params)
             stream = self.coordinator.generate(prompt_ids, params, request.request_id or None,
                                                deadline=_deadline(context, self.request_timeout))
             async for out in stream:
-                yield _response(out)
+                yield _response(out) if output is None else parsed_response(_response(out), output)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -177,7 +143,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         try:
             if request.WhichOneof("prompt") == "chat":
-                ids = self.coordinator.encode(**_chat(request.chat))
+                ids, _ = chat_prompt(self.coordinator.tokenizer, request.chat, None, None)
             else:
                 ids = self.coordinator.encode(text=request.text)
         except ValueError as exc:

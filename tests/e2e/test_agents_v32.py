@@ -230,3 +230,33 @@ def test_responses_api_with_function_tools(v32):
     assert [(i.name, i.arguments) for i in done.response.output if i.type == "function_call"] == \
         [(i.name, i.arguments) for i in calls]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_grpc_chat_with_tools_parses_like_the_http_api(v32):
+    import grpc
+
+    from shardserve.proto import inference_pb2 as pb
+    from shardserve.proto import inference_pb2_grpc as pb_grpc
+
+    server, handle, ray = v32
+    address = ray.get(handle.start_grpc.remote(0, "127.0.0.1"))
+    tool = pb.Tool(name="get_weather", description=WEATHER["function"]["description"],
+                   parameters=json.dumps(WEATHER["function"]["parameters"]))
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=ASK[0]["content"])], tools=[tool],
+                   template_kwargs=json.dumps({"thinking": True}))
+    parsing = pb.OutputParsing(tool_call_parser="deepseek_v32", reasoning_parser="deepseek_v3")
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        replies = list(stub.Generate(pb.GenerateRequest(chat=chat, parsing=parsing, sampling=pb.SamplingParams(
+            max_tokens=40, temperature=0)), timeout=300))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(chat=chat, parsing=pb.OutputParsing(tool_call_parser="nope")),
+                               timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deepseek_v32" in err.value.details()
+        counted = stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=60).token_ids
+    whole, _ = both(server.client, messages=ASK, tools=[WEATHER], max_tokens=40,
+                    extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert "".join(r.content for r in replies) == whole["message"]["content"]
+    assert "".join(r.reasoning for r in replies) == whole["message"]["reasoning"]
+    assert replies[-1].finish_reason == whole["finish"]
+    assert len(counted) == whole["usage"]["prompt_tokens"]
