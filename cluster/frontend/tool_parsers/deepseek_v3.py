@@ -15,8 +15,8 @@ DeepSeek-V3.1.
 
 from __future__ import annotations
 
-from shardserve.cluster.frontend.tool_parsers.base import (
-    WHITESPACE, Malformed, MarkupParser, ParseDelta, at, partial_marker, skip_ws)
+from shardserve.cluster.frontend.tool_parsers.base import WHITESPACE, Malformed, ParseDelta, at, partial_marker, skip_ws
+from shardserve.cluster.frontend.tool_parsers.markup import MarkupParser
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 
-from shardserve.cluster.frontend.tool_parsers.base import (
-    KeyedArguments, Malformed, MarkupParser, ParseDelta, at, partial_marker, skip_ws)
+from shardserve.cluster.frontend.tool_parsers.base import Malformed, ParseDelta, at, partial_marker, skip_ws
+from shardserve.cluster.frontend.tool_parsers.markup import KeyedArguments, MarkupParser
 
 DSML = "｜DSML｜"
 START = f"<{DSML}function_calls>"

@@ -13,8 +13,8 @@ Format: the ``chat_template.jinja`` of zai-org/GLM-4.5 and GLM-5 (``tool_call`` 
 
 from __future__ import annotations
 
-from shardserve.cluster.frontend.tool_parsers.base import (
-    KeyedArguments, Malformed, MarkupParser, ParseDelta, at, partial_marker, skip_ws)
+from shardserve.cluster.frontend.tool_parsers.base import Malformed, ParseDelta, at, partial_marker, skip_ws
+from shardserve.cluster.frontend.tool_parsers.markup import KeyedArguments, MarkupParser
 
 START, END = "<tool_call>", "</tool_call>"
 KEY, KEY_END = "<arg_key>", "</arg_key>"

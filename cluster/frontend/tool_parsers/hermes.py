@@ -12,9 +12,9 @@ Format: NousResearch Hermes function-calling prompt, Qwen2.5 / Qwen3 ``chat_temp
 
 from __future__ import annotations
 
-from shardserve.cluster.frontend.tool_parsers.base import (
-    Malformed, MarkupParser, ParseDelta, partial_marker, skip_ws)
+from shardserve.cluster.frontend.tool_parsers.base import Malformed, ParseDelta, partial_marker, skip_ws
 from shardserve.cluster.frontend.tool_parsers.json_call import JsonCall
+from shardserve.cluster.frontend.tool_parsers.markup import MarkupParser
 
 START, END = "<tool_call>", "</tool_call>"
 

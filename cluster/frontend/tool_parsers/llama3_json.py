@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardserve.cluster.frontend.tool_parsers.base import (
-    Malformed, ParseDelta, PlainText, ToolParser, at, new_call_id, skip_ws)
+from shardserve.cluster.frontend.tool_parsers.base import Malformed, ParseDelta, ToolParser, at, new_call_id, skip_ws
 from shardserve.cluster.frontend.tool_parsers.hermes import JsonCallStreamer
+from shardserve.cluster.frontend.tool_parsers.markup import PlainText
 
 PYTHON_TAG = "<|python_tag|>"
 
