@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 
-from shardserve.cluster import cli_agents
+from shardserve.cluster import cli_agents, generate_controls
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.frontend.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
@@ -580,7 +580,7 @@ def _generate(ns: argparse.Namespace) -> int:
         raise ValueError("--prompt must not be empty")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
-    params.validate()
+    generate_controls.apply_flags(ns, params).validate()
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
@@ -591,8 +591,7 @@ def _generate(ns: argparse.Namespace) -> int:
         from shardserve.cluster.tokenizer import load_tokenizer
         from shardserve.workers.model_source import resolve_model
 
-        prompt, _, output, params.structured_outputs = agent.encode(load_tokenizer(resolve_model(args.model)))
-        params.skip_special_tokens = output is None or not output.needs_special_tokens
+        prompt, output = agent.encode(load_tokenizer(resolve_model(args.model)), params)
     if args.tensor_parallel_size > 1:
         completion = _generate_on_cluster(ns, args, prompt, params)
     else:
@@ -678,6 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
+    generate_controls.add_flags(gen)
     cli_agents.add_generate_flags(gen)
     gen.set_defaults(func=_generate)
 

@@ -68,11 +68,13 @@ class AgentChat:
     body: dict                  # the equivalent chat request body
     parsers: ParserConfig
 
-    def encode(self, tokenizer) -> tuple[list[int], str, ChoiceOutput | None, object]:
-        """``(prompt ids, prompt text, output chain, output constraint)`` with ``tokenizer``.
+    def encode(self, tokenizer, params) -> tuple[list[int], ChoiceOutput | None]:
+        """``(prompt ids, output chain)`` with ``tokenizer``; ``params`` (SamplingParams) gets what
+        the chain needs: special tokens kept, the call constraint of ``required`` / a function.
 
         Raises:
-            ValueError: a bad tool, tool choice or template argument (the message says which).
+            ValueError: a bad tool, tool choice or template argument (the message says which), or
+                a forced call beside another output constraint.
         """
         from shardserve.cluster.frontend.chat_request import tool_constraint
         from shardserve.cluster.frontend.openai_protocol import OpenAIError, parse_chat
@@ -86,8 +88,14 @@ class AgentChat:
         options = parsed.chat
         text = render_chat(tokenizer, parsed.prompts[0], tools=options.tools, template_kwargs=options.template_kwargs)
         constraint = tool_constraint(options)
-        output = self.parsers.output(options, text, constraint is not None)
-        return encode_rendered(tokenizer, text), text, output, constraint
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(f"--tool-choice {options.tool_choice} constrains the output to a call; drop the "
+                                 "other output constraint (--json-schema, --regex, ...)")
+            params.structured_outputs = constraint
+        output = self.parsers.output(options, text, params.structured_outputs is not None)
+        params.skip_special_tokens = output is None or not output.needs_special_tokens
+        return encode_rendered(tokenizer, text), output
 
 
 def agent_chat(ns: argparse.Namespace) -> AgentChat | None:

@@ -14,14 +14,18 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from shardserve.cluster.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE, StructuredOutputs
+from shardserve.cluster.engine.request import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                                MAX_STOP_STRINGS, MAX_TEMPERATURE, StructuredOutputs)
 
 MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
 # Fields whose non-default values would change the output but the engine does not implement.
-_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None,
-                "functions": None, "suffix": None, "best_of": None, "echo": False}
+_UNSUPPORTED = {"functions": None, "suffix": None, "best_of": None, "echo": False}
+# Request fields the engine's INVALID_ARGUMENT messages may start with (they name the field first).
+_ENGINE_FIELDS = ("max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "stop", "logprobs", "temperature", "top_p", "top_k",
+                  "min_p")
 
 
 class OpenAIError(Exception):
@@ -75,6 +79,9 @@ def engine_rejected(message: str, param: str, structured_param: str | None = Non
     message starts ``structured_outputs:``, names ``structured_param``, the field it came from)."""
     if message.startswith("structured_outputs:") and structured_param:
         return bad_request(message, structured_param)
+    named = re.match(r"([a-z_]+)\b", message)
+    if named and named.group(1) in _ENGINE_FIELDS and "context length" not in message:
+        return bad_request(message, named.group(1))
     if "context length" not in message:
         return bad_request(message, param)
     return bad_request(message, "max_tokens" if "max_tokens" in message else param, "context_length_exceeded")
@@ -319,6 +326,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         value = _number(body, name, low, high, integer=integer, low_open=low_open)
         if value is not None:
             sampling[name] = value
+    sampling.update(_controls(body, max_tokens))
     ignore_eos = body.get("ignore_eos", False)   # vLLM's / llama-server's extension: run to max_tokens
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
@@ -327,6 +335,46 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
     return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
                          None, max_tokens, structured, structured_param)
+
+
+def _controls(body: dict, max_tokens: int | None) -> dict:
+    """Penalties (OpenAI's ``presence_penalty`` / ``frequency_penalty``, vLLM's
+    ``repetition_penalty``), ``logit_bias`` (token-id strings -> [-100, 100]) and vLLM's
+    ``min_tokens``, ``bad_words``, ``allowed_token_ids``, as ``pb.SamplingParams`` fields."""
+    out = {}
+    for name, low, high, low_open in (("presence_penalty", -MAX_PENALTY, MAX_PENALTY, False),
+                                      ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, False),
+                                      ("repetition_penalty", 0, MAX_REPETITION_PENALTY, True)):
+        value = _number(body, name, low, high, low_open=low_open)
+        if value is not None:
+            out[name] = value
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad_request("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            if not isinstance(key, str) or not re.fullmatch(r"[0-9]{1,9}", key.strip()):
+                raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}",
+                                  "logit_bias")
+            number = _number({"logit_bias": value}, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            out["logit_bias"][int(key)] = float(number)
+    min_tokens = _number(body, "min_tokens", 0, max_tokens if max_tokens is not None else 2**31 - 1, integer=True)
+    if min_tokens:
+        out["min_tokens"] = min_tokens
+    words = body.get("bad_words")
+    if words is not None:
+        words = [words] if isinstance(words, str) else words
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise bad_request("'bad_words' must be a list of non-empty strings", "bad_words")
+        out["bad_words"] = words
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in allowed):
+            raise bad_request("'allowed_token_ids' must be a non-empty list of token ids", "allowed_token_ids")
+        out["allowed_token_ids"] = allowed
+    return out
 
 
 def parse_chat(body: dict) -> ParsedRequest:

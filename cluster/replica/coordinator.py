@@ -21,10 +21,12 @@ from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
 from shardserve.cluster.frontend.security import FrontConfig
+from shardserve.cluster.frontend.structured import GrammarCompiler
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
 from shardserve.cluster.replica.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
@@ -93,11 +95,12 @@ class Coordinator:
             from shardserve.cluster.engine.speculative import Speculator
 
             speculator = Speculator(self.drafter, args.speculative_tokens)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                               eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator,
-                               num_state_slots=self.group.num_state_slots)
+                               eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots,
+                               grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
         self.worker_restarts, self.weights_version = 0, 1
@@ -396,7 +399,11 @@ class Coordinator:
             raise QueueFull(f"{waiting} requests already wait on this replica (--max-queued-requests "
                             f"{self.front.max_queued_requests}); retry later")
         self._ensure_loop()
-        rid = self.core.add_request(prompt_ids, params, request_id)
+        compiled = None
+        if params.structured_outputs is not None:   # off the event loop (cached per constraint)
+            self.core.validate(prompt_ids, params)
+            compiled = await self.core.grammar_compiler.compile_async(params.structured_outputs)
+        rid = self.core.add_request(prompt_ids, params, request_id, compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._wakeup.set()
@@ -463,6 +470,7 @@ class Coordinator:
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
             "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
+            "num_grammar_matchers": num_live_grammars(),
         }
 
     def placement(self) -> dict:
@@ -518,6 +526,7 @@ class Coordinator:
             await self._grpc.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self.core.grammar_compiler.shutdown()
         await asyncio.to_thread(self._stop_workers)
 
 

@@ -35,11 +35,17 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling fields -> :class:`SamplingParams` (unset optionals keep the defaults)."""
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
     if msg.HasField("structured_outputs"):
         params.structured_outputs = structured_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        params.logit_bias = dict(msg.logit_bias)
+    params.bad_words = list(msg.bad_words)
+    if msg.allowed_token_ids:
+        params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
 

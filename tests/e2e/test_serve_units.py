@@ -40,7 +40,7 @@ def error_of(parse, body) -> OpenAIError:
     (parse_chat, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     (parse_chat, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (parse_chat, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
-    (parse_chat, {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (parse_chat, {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
     (parse_chat, {"messages": CHAT, "response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
     (parse_chat, {"messages": CHAT, "response_format": "text"}, "response_format", "an object"),
     (parse_chat, {"messages": CHAT, "stream": True, "stream_options": {"include_usage": "x"}}, "stream_options",

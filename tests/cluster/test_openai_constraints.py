@@ -1,5 +1,7 @@
-"""Parsing of output constraints: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
-``guided_*`` fields into :class:`StructuredOutputs`, their proto form, and the 400s. No model."""
+"""Parsing of output constraints (OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
+``guided_*`` fields) into :class:`StructuredOutputs`, and of the sampling controls (penalties,
+logit_bias, min_tokens, bad_words, allowed_token_ids); their proto form across the gRPC hop, and
+the 400s naming the field, from the front or from the engine. No model."""
 
 from __future__ import annotations
 
@@ -82,3 +84,69 @@ def test_spec_checks_its_value():
     with pytest.raises(ValueError, match="non-empty list"):
         StructuredOutputs("choice", ())
     assert hash(StructuredOutputs.json_schema({"a": 1})) == hash(StructuredOutputs.json_schema('{"a": 1}'))
+
+
+# -- sampling controls --------------------------------------------------------------------------
+
+def test_sampling_controls_parse_into_proto_fields_and_back():
+    from shardserve.cluster.replica.grpc_server import sampling_from_proto
+    from shardserve.proto import inference_pb2 as pb
+
+    body = {"messages": CHAT, "presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.1,
+            "logit_bias": {"50256": -100, "7": 2.5}, "min_tokens": 3, "max_tokens": 9, "bad_words": ["foo", " bar"],
+            "allowed_token_ids": [1, 2, 3], "response_format": {"type": "json_object"}}
+    parsed = parse_chat(body)
+    msg = pb.SamplingParams(**parsed.sampling)
+    params = sampling_from_proto(msg)   # the replica's side of the gRPC hop
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.25,
+                                                                                                pytest.approx(1.1))
+    assert params.logit_bias == {50256: -100.0, 7: 2.5} and params.min_tokens == 3 and params.max_tokens == 9
+    assert params.bad_words == ["foo", " bar"] and params.allowed_token_ids == [1, 2, 3]
+    default = sampling_from_proto(pb.SamplingParams(**parse_completion({"prompt": "x"}).sampling))
+    assert (default.presence_penalty, default.repetition_penalty, default.logit_bias, default.min_tokens,
+            default.bad_words, default.allowed_token_ids) == (0.0, 1.0, None, 0, [], None)
+
+
+@pytest.mark.parametrize("fields,param,fragment", [
+    ({"logit_bias": {"12": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"12": -100.5}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "an object"),
+    ({"logit_bias": {"1": "x"}}, "logit_bias", "a number"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "[0, 4]"),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+    ({"bad_words": [""]}, "bad_words", "non-empty strings"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+    ({"allowed_token_ids": [1, True]}, "allowed_token_ids", "token ids"),
+])
+def test_bad_sampling_controls_are_400_naming_the_field(fields, param, fragment):
+    with pytest.raises(OpenAIError) as err:
+        parse_completion({"prompt": "x", **fields})
+    assert (err.value.status, err.value.param) == (400, param)
+    assert fragment in err.value.message
+
+
+@pytest.mark.parametrize("message,param", [
+    ("logit_bias: token id 99999 is outside the vocabulary [0, 49152)", "logit_bias"),
+    ("allowed_token_ids: token id 49152 is outside the vocabulary [0, 49152)", "allowed_token_ids"),
+    ("min_tokens must be in [0, max_tokens (4)], got 5", "min_tokens"),
+    ("prompt token ids must be in [0, 49152)", "prompt"),
+])
+def test_engine_rejections_name_the_field_their_message_starts_with(message, param):
+    assert engine_rejected(message, "prompt").param == param
+
+
+def test_engine_checks_token_ids_against_the_vocabulary():
+    from shardserve.cluster.engine.request import SamplingParams
+
+    SamplingParams(logit_bias={49151: 1.0}, allowed_token_ids=[0]).validate(49152)
+    for params, fragment in ((SamplingParams(logit_bias={49152: 1.0}), "logit_bias: token id 49152 is outside"),
+                             (SamplingParams(allowed_token_ids=[-1]), "allowed_token_ids: token id -1"),
+                             (SamplingParams(logit_bias={3: 100.5}), "logit_bias values must be in [-100, 100]"),
+                             (SamplingParams(repetition_penalty=0.0), "repetition_penalty must be in (0, 100]")):
+        with pytest.raises(ValueError) as err:
+            params.validate(49152)
+        assert str(err.value).startswith(fragment)
