@@ -6,8 +6,8 @@ deepseek_v32 --reasoning-parser deepseek_v3``, driven by the official ``openai``
 The checkpoint gets a byte-level tokenizer (any text is expressible, DeepSeek's special tokens
 are single tokens) and no chat template, so the server renders DeepSeek-V3.2's format with its
 built-in template. A random model writes no markup by itself: DSML is driven by a regex constraint
-(the answer must be a thinking block then a DSML call), and ``tool_choice`` named / ``required``
-by the tools' schemas; the calls that come back must validate against the schema (jsonschema),
+(the answer must be a sentence then DSML calls), and ``tool_choice`` named / ``required`` by the
+tools' schemas; the calls that come back must validate against the schema (jsonschema),
 streamed and not, with the same finish_reason and usage."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z杭州]{1,10}$"},
                                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
                    "required": ["city", "days"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -159,21 +159,21 @@ def test_forced_calls_validate_against_the_schema(v32, choice):
         assert choice == "required" or name == "get_weather"
 
 
-def test_dsml_after_thinking_is_parsed_across_speculative_steps(v32):
-    """The answer is forced to be thinking, a sentence, then DSML calls; the parser must find the
-    calls in the answer only, however MTP grouped the tokens."""
+def test_dsml_calls_are_parsed_across_speculative_steps(v32):
+    """The answer is forced to be a sentence then DSML calls (a regex constraint: chat mode, since a
+    constrained answer has no thinking block); the parser must return the sentence as content and
+    the calls, however MTP grouped the tokens, streamed as whole."""
     server, _, _ = v32
     param = f'<{DSML}parameter name="city" string="true">[a-z杭州]{{1,6}}</{DSML}parameter>\n' \
             f'<{DSML}parameter name="days" string="false">[1-9]</{DSML}parameter>'
     invoke = f'<{DSML}invoke name="get_weather">\n{param}\n</{DSML}invoke>'
-    pattern = f"[a-z ]{{1,12}}</think>[A-Z][a-z ]{{0,10}}\\.\n\n<{DSML}function_calls>\n{invoke}(\n{invoke})?\n" \
-              f"</{DSML}function_calls>"
+    pattern = f"[A-Z][a-z ]{{0,10}}\\.\n\n<{DSML}function_calls>\n{invoke}(\n{invoke})?\n</{DSML}function_calls>"
     whole, streamed = constrained_or_skip(lambda: both(
         server.client, messages=ASK, tools=[WEATHER, TIME], max_tokens=400,
-        extra_body={"chat_template_kwargs": {"thinking": True}, "structured_outputs": {"regex": pattern}}))
-    assert whole == streamed and whole["finish"] == "tool_calls"
-    assert whole["message"]["reasoning"] and "<" not in whole["message"]["reasoning"]
-    assert whole["message"]["content"].endswith(".") and DSML not in whole["message"]["content"]
+        extra_body={"chat_template_kwargs": {"thinking": False}, "structured_outputs": {"regex": pattern}}))
+    assert whole == streamed and whole["finish"] == "tool_calls" and whole["message"]["reasoning"] == ""
+    assert whole["message"]["content"].endswith(".") and "｜" not in whole["message"]["content"]
+    assert 1 <= len(whole["message"]["calls"]) <= 2
     for name, arguments in whole["message"]["calls"]:
         assert name == "get_weather"
         jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])

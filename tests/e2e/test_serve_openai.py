@@ -377,11 +377,11 @@ def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
-    "type": "object", "$defs": {"Query": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 30}},
+    "type": "object", "$defs": {"Query": {"type": "object", "properties": {"q": {"type": "string", "pattern": "^[A-Za-z ]{1,30}$"}},
                                           "required": ["q"], "additionalProperties": False}},
     "properties": {"queries": {"type": "array", "items": {"$ref": "#/$defs/Query"}, "minItems": 1, "maxItems": 2}},
     "required": ["queries"], "additionalProperties": False}}}
