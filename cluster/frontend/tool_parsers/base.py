@@ -163,6 +163,33 @@ class ToolParser:
         self._open = None
 
 
+class BufferedParser(ToolParser):
+    """A parser that keeps the text it could not tell yet in ``_buf`` and parses it in ``_run``
+    (``_final`` is set for the last run); ``_finish`` then handles what is left."""
+
+    def __init__(self, tools: dict[str, dict] | None = None, make_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(tools, make_id)
+        self._buf = ""
+        self._final = False
+
+    def feed(self, text: str) -> ParseDelta:
+        self._buf += text
+        return self._run()
+
+    def finish(self) -> ParseDelta:
+        self._final = True
+        out = self._run()
+        self._finish(out)
+        self._buf = ""
+        return out
+
+    def _run(self) -> ParseDelta:
+        raise NotImplementedError
+
+    def _finish(self, out: ParseDelta) -> None:
+        """The text ended: add to ``out`` what ``_run`` left in ``_buf`` or open."""
+
+
 def parse_text(parser: ToolParser, text: str) -> ParsedText:
     """A whole answer through ``parser`` (the non-streamed path)."""
     return collect([parser.feed(text), parser.finish()])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardserve.cluster.frontend.tool_parsers.base import (
-    WHITESPACE, Malformed, ParseDelta, ToolParser, new_call_id, skip_ws)
+    WHITESPACE, BufferedParser, Malformed, ParseDelta, ToolParser, new_call_id, skip_ws)
 from shardserve.cluster.frontend.tool_parsers.hermes import JsonCallStreamer
 
 
@@ -47,7 +47,7 @@ class NamedCallParser(ToolParser):
         return out
 
 
-class RequiredCallsParser(ToolParser):
+class RequiredCallsParser(BufferedParser):
     """The answer is ``[{"name": ..., "parameters": {...}}, ...]``; each item is a call. Text that
     does not fit (only possible when the constraint was not applied) is content."""
 
@@ -56,22 +56,12 @@ class RequiredCallsParser(ToolParser):
 
     def __init__(self, tools: dict[str, dict] | None = None, make_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tools, make_id)
-        self._buf = ""
         self._state = "start"
         self._streamer: JsonCallStreamer | None = None
-        self._final = False
 
-    def feed(self, text: str) -> ParseDelta:
-        self._buf += text
-        return self._run()
-
-    def finish(self) -> ParseDelta:
-        self._final = True
-        out = self._run()
+    def _finish(self, out: ParseDelta) -> None:
         if self._state == "content" or (self._state == "start" and self._buf.strip(WHITESPACE)):
             out.content += self._buf
-        self._buf = ""
-        return out
 
     def _run(self) -> ParseDelta:
         out = ParseDelta()

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardserve.cluster.frontend.tool_parsers.base import Malformed, ParseDelta, ToolParser, at, new_call_id, skip_ws
+from shardserve.cluster.frontend.tool_parsers.base import BufferedParser, Malformed, ParseDelta, at, new_call_id, skip_ws
 from shardserve.cluster.frontend.tool_parsers.hermes import JsonCallStreamer
 from shardserve.cluster.frontend.tool_parsers.markup import PlainText
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(BufferedParser):
     """JSON calls at the start of the answer."""
 
     name = "llama3_json"
@@ -28,26 +28,17 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, tools: dict[str, dict] | None = None, make_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tools, make_id)
         self._state = "start"
-        self._buf = ""
         self._raw = ""             # text held before the first call was announced
         self._streamer: JsonCallStreamer | None = None
         self._plain = PlainText(())
-        self._final = False
 
-    def feed(self, text: str) -> ParseDelta:
-        self._buf += text
-        return self._run()
-
-    def finish(self) -> ParseDelta:
-        self._final = True
-        out = self._run()
+    def _finish(self, out: ParseDelta) -> None:
         if self._state == "start":               # only whitespace or a partial tag: plain text
             out.content += self._plain.text(self._raw + self._buf)
         elif self._state == "object" and self._streamer is not None and not self._streamer.started:
             self._end_call()                     # an unfinished object: a call cut short (dropped)
-        self._buf = self._raw = ""
+        self._raw = ""
         out.content += self._plain.flush()
-        return out
 
     def _run(self) -> ParseDelta:
         out = ParseDelta()

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 
 from shardserve.cluster.frontend.tool_parsers.base import (
-    WHITESPACE, Malformed, ParseDelta, ToolParser, new_call_id)
+    WHITESPACE, BufferedParser, Malformed, ParseDelta, ToolParser, new_call_id)
 
 
 def schema_types(schema: dict | None) -> set[str]:
@@ -153,7 +153,7 @@ class PlainText:
         return out
 
 
-class MarkupParser(ToolParser):
+class MarkupParser(BufferedParser):
     """A parser whose calls sit in blocks opened by fixed markers (most families).
 
     Subclasses set ``start_markers`` and implement :meth:`_block`, which parses from the start of
@@ -167,19 +167,11 @@ class MarkupParser(ToolParser):
     def __init__(self, tools: dict[str, dict] | None = None, make_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(tools, make_id)
         self._plain = PlainText(self.start_markers)
-        self._buf = ""
         self._in_block = False
         self._block_raw = ""       # text of the current block consumed before its first call
         self._calls_before = 0     # calls announced before the current block
-        self._final = False
 
-    def feed(self, text: str) -> ParseDelta:
-        self._buf += text
-        return self._run()
-
-    def finish(self) -> ParseDelta:
-        self._final = True
-        out = self._run()
+    def _finish(self, out: ParseDelta) -> None:
         if self._in_block:
             if self._open is not None:
                 self._args(out, self._truncated_args())
@@ -190,9 +182,7 @@ class MarkupParser(ToolParser):
             self._end_call()
         if self._buf:   # held back: a partial marker or backtick run that never completed
             out.content += self._plain.text(self._buf)
-            self._buf = ""
         out.content += self._plain.flush()
-        return out
 
     def _run(self) -> ParseDelta:
         out = ParseDelta()
