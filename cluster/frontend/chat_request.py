@@ -306,9 +306,10 @@ def tool_constraint(options: ChatOptions) -> StructuredOutputs | None:
     """The output constraint that makes a call (None unless ``tool_choice`` forces one): a named
     function's ``parameters`` schema, or for ``required`` an array of ``{"name", "parameters"}``
     (one item at most without ``parallel_tool_calls``). Each tool's ``$defs`` move to the root, so
-    ``$ref`` inside a tool's schema still resolves."""
+    ``$ref`` inside a tool's schema still resolves. The JSON is compact (no optional whitespace):
+    small models otherwise can emit whitespace until ``max_tokens``."""
     if options.tool_choice == "function":
-        return StructuredOutputs.json_schema(options.schemas[options.function])
+        return StructuredOutputs.json_schema(options.schemas[options.function], disable_any_whitespace=True)
     if options.tool_choice != "required":
         return None
     defs, items = {}, []
@@ -322,7 +323,7 @@ def tool_constraint(options: ChatOptions) -> StructuredOutputs | None:
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
     if not options.parallel_tool_calls:
         schema["maxItems"] = 1
-    return StructuredOutputs.json_schema(schema)
+    return StructuredOutputs.json_schema(schema, disable_any_whitespace=True)
 
 
 def _rebase(schema, prefix: str, defs: dict):

@@ -149,14 +149,17 @@ def test_free_answers_stream_like_whole_with_thinking_and_tools(v32):
 def test_forced_calls_validate_against_the_schema(v32, choice):
     server, _, _ = v32
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    # one call: a random model would add calls to the array until max_tokens
     whole, streamed = constrained_or_skip(lambda: both(server.client, messages=ASK, tools=[WEATHER, TIME],
-                                                       tool_choice=tool_choice, max_tokens=200))
+                                                       tool_choice=tool_choice, max_tokens=200,
+                                                       parallel_tool_calls=False))
     assert whole == streamed and whole["finish"] == "tool_calls"
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     assert whole["message"]["calls"]
     for name, arguments in whole["message"]["calls"]:
         jsonschema.validate(json.loads(arguments), schemas[name])
         assert choice == "required" or name == "get_weather"
+    assert len(whole["message"]["calls"]) == 1
 
 
 def test_dsml_calls_are_parsed_across_speculative_steps(v32):
@@ -217,14 +220,14 @@ def test_responses_api_with_function_tools(v32):
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
     response = constrained_or_skip(lambda: server.client.responses.create(
         model=model, input="Weather in 杭州?", tools=tools, tool_choice="required", max_output_tokens=200,
-        temperature=0))
+        temperature=0, parallel_tool_calls=False))
     calls = [item for item in response.output if item.type == "function_call"]
     assert response.status == "completed" and calls
     for item in calls:
         jsonschema.validate(json.loads(item.arguments), WEATHER["function"]["parameters"])
     events = list(server.client.responses.create(model=model, input="Weather in 杭州?", tools=tools,
                                                  tool_choice="required", max_output_tokens=200, temperature=0,
-                                                 stream=True))
+                                                 parallel_tool_calls=False, stream=True))
     done = events[-1]
     assert done.type == "response.completed"
     assert [(i.name, i.arguments) for i in done.response.output if i.type == "function_call"] == \
