@@ -581,11 +581,11 @@ def _generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
     generate_controls.apply_flags(ns, params).validate()
+    agent = cli_agents.agent_chat(ns)
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
-    agent = cli_agents.agent_chat(ns)
     output = None
     if agent is not None:   # tools or parsers: render here, send token ids, print the parsed answer
         from shardserve.cluster.tokenizer import load_tokenizer

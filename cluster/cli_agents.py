@@ -65,7 +65,7 @@ def _json_object(text: str) -> dict:
 class AgentChat:
     """A ``generate --chat`` prompt with tools or parsers: what to send and how to read the answer."""
 
-    body: dict                  # the equivalent chat request body
+    parsed: object              # the equivalent chat request (openai_protocol.ParsedRequest), checked
     parsers: ParserConfig
 
     def encode(self, tokenizer, params) -> tuple[list[int], ChoiceOutput | None]:
@@ -73,20 +73,15 @@ class AgentChat:
         the chain needs: special tokens kept, the call constraint of ``required`` / a function.
 
         Raises:
-            ValueError: a bad tool, tool choice or template argument (the message says which), or
-                a forced call beside another output constraint.
+            ValueError: a forced call beside another output constraint, or a chat the template
+                refuses.
         """
         from shardserve.cluster.frontend.chat_request import tool_constraint
-        from shardserve.cluster.frontend.openai_protocol import OpenAIError, parse_chat
         from shardserve.cluster.tokenizer import encode_rendered, render_chat
 
-        try:
-            parsed = parse_chat(self.body)
-            self.parsers.check(parsed.chat)
-        except OpenAIError as exc:
-            raise ValueError(f"{exc.param or 'chat'}: {exc.message}") from None
-        options = parsed.chat
-        text = render_chat(tokenizer, parsed.prompts[0], tools=options.tools, template_kwargs=options.template_kwargs)
+        options = self.parsed.chat
+        text = render_chat(tokenizer, self.parsed.prompts[0], tools=options.tools,
+                           template_kwargs=options.template_kwargs)
         constraint = tool_constraint(options)
         if constraint is not None:
             if params.structured_outputs is not None:
@@ -99,10 +94,11 @@ class AgentChat:
 
 
 def agent_chat(ns: argparse.Namespace) -> AgentChat | None:
-    """The agent part of ``generate``'s flags (None: a plain prompt).
+    """The agent part of ``generate``'s flags (None: a plain prompt), checked before anything loads.
 
     Raises:
-        ValueError: agent flags without ``--chat``, or a tools file that cannot be read.
+        ValueError: agent flags without ``--chat``, a tools file that cannot be read, or a bad
+            tool, tool choice or template argument (the message says which).
     """
     wanted = [flag for flag, value in (("--tools", ns.tools), ("--tool-choice", ns.tool_choice),
                                        ("--chat-template-kwargs", ns.chat_template_kwargs),
@@ -126,8 +122,15 @@ def agent_chat(ns: argparse.Namespace) -> AgentChat | None:
         {"type": "function", "function": {"name": choice}}
     if ns.chat_template_kwargs:
         body["chat_template_kwargs"] = ns.chat_template_kwargs
+    from shardserve.cluster.frontend.openai_protocol import OpenAIError, parse_chat
+
     parsers = ParserConfig(ns.tool_call_parser, ns.tool_call_parser is not None, ns.reasoning_parser)
-    return AgentChat(body, parsers)
+    try:
+        parsed = parse_chat(body)
+        parsers.check(parsed.chat)
+    except OpenAIError as exc:
+        raise ValueError(f"{exc.param or 'chat'}: {exc.message}") from None
+    return AgentChat(parsed, parsers)
 
 
 def answer_json(text: str, output: ChoiceOutput | None, finish_reason: str | None) -> str:
