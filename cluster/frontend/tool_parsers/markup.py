@@ -85,6 +85,7 @@ class PlainText:
     def __init__(self, markers: tuple[str, ...]) -> None:
         self.markers = markers
         self._firsts = {m[0] for m in markers}
+        self._longest = max((len(m) for m in markers), default=0)
         self.fence = False
         self.inline = False
         self._ws = ""                 # trailing whitespace not told yet
@@ -113,11 +114,10 @@ class PlainText:
             if char == "\n":
                 self.inline = False
             elif char in self._firsts and not self.fence and not self.inline:
-                rest = buf[i:]
                 for marker in self.markers:
-                    if rest.startswith(marker):
+                    if buf.startswith(marker, i):
                         return i, marker
-                if not final and any(marker.startswith(rest) for marker in self.markers):
+                if not final and size - i < self._longest and any(marker.startswith(buf[i:]) for marker in self.markers):
                     return i, None
             i += 1
         return size, None
