@@ -190,15 +190,15 @@ def test_tool_history_renders_through_the_builtin_template(v32):
                                                              "arguments": '{"city": "杭州", "days": 3}'}}
     model = server.client.models.list().data[0].id
     counts = set()
-    for assistant in ({"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "look up"},
-                      {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "look up"},
-                      {"role": "assistant", "tool_calls": [call], "reasoning_content": "look up"}):
-        for result in ("sunny, 25°C", [{"type": "text", "text": "sunny, "}, {"type": "text", "text": "25°C"}]):
-            messages = ASK + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": result}]
-            reply = server.client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
-                                                          max_tokens=1, temperature=0,
-                                                          extra_body={"chat_template_kwargs": {"thinking": True}})
-            counts.add(reply.usage.prompt_tokens)
+    results = ("sunny, 25°C", [{"type": "text", "text": "sunny, "}, {"type": "text", "text": "25°C"}])
+    for i, assistant in enumerate(({"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "look up"},
+                                   {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "look up"},
+                                   {"role": "assistant", "tool_calls": [call], "reasoning_content": "look up"})):
+        messages = ASK + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": results[i % 2]}]
+        reply = server.client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
+                                                      max_tokens=1, temperature=0,
+                                                      extra_body={"chat_template_kwargs": {"thinking": True}})
+        counts.add(reply.usage.prompt_tokens)
     from shardserve.cluster.frontend.chat_request import chat_messages, parse_chat_options
     from shardserve.cluster.tokenizer import encode_chat, load_tokenizer
     from shardserve.workers.model_source import resolve_model
@@ -257,9 +257,11 @@ def test_grpc_chat_with_tools_parses_like_the_http_api(v32):
                                timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deepseek_v32" in err.value.details()
         counted = stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=60).token_ids
-    whole, _ = both(server.client, messages=ASK, tools=[WEATHER], max_tokens=40,
-                    extra_body={"chat_template_kwargs": {"thinking": True}})
-    assert "".join(r.content for r in replies) == whole["message"]["content"]
-    assert "".join(r.reasoning for r in replies) == whole["message"]["reasoning"]
-    assert replies[-1].finish_reason == whole["finish"]
-    assert len(counted) == whole["usage"]["prompt_tokens"]
+    whole = server.client.chat.completions.create(
+        model=server.client.models.list().data[0].id, messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": True}})
+    message = whole.choices[0].message
+    assert "".join(r.content for r in replies) == (message.content or "")
+    assert "".join(r.reasoning for r in replies) == (message.reasoning_content or "")
+    assert replies[-1].finish_reason == whole.choices[0].finish_reason
+    assert len(counted) == whole.usage.prompt_tokens == replies[-1].usage.prompt_tokens
