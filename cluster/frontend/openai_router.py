@@ -7,7 +7,10 @@ uses (``cluster.tokenizer``: the chat template is rendered once, never a second 
 the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. The first response
 of every call is awaited before answering, so the engine's own rejections (context length, bad
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
-engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are, or,
+for chats with tools or a reasoning parser, as the parsed deltas of
+:mod:`cluster.frontend.chat_output` (the non-streamed message is the same chain fed the whole
+text). ``/v1/responses`` is a chat underneath (:mod:`cluster.frontend.responses_route`).
 
 Calls to the replicas carry the deployment's first API key and, with ``request_timeout``, the
 time left as their gRPC deadline. A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is
