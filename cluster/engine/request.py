@@ -57,8 +57,9 @@ class StructuredOutputs:
             start rule ``root``; text without ``::=`` is read as a Lark grammar, as vLLM does).
         value: ``json``: the schema as JSON text; ``regex``: the pattern; ``choice``: a tuple of
             strings; ``grammar``: the EBNF text; ``json_object``: None.
-        disable_any_whitespace: JSON kinds: no optional whitespace between tokens (compact JSON;
-            vLLM's field of that name). Small models otherwise may emit whitespace without end.
+        disable_any_whitespace: JSON kinds: one fixed separator style (``", "`` and ``": "``, no
+            newlines or indentation) instead of any whitespace (vLLM's field of that name, xgrammar's
+            ``any_whitespace=False``). Small models otherwise may emit whitespace without end.
 
     Raises:
         ValueError: an unknown kind or a value of the wrong type (message names the kind).

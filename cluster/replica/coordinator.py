@@ -35,6 +35,7 @@ from shardserve.workers.model_source import load_config, model_context_length, r
 
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -402,7 +403,7 @@ class Coordinator:
         compiled = None
         if params.structured_outputs is not None:   # off the event loop (cached per constraint)
             self.core.validate(prompt_ids, params)
-            compiled = await self.core.grammar_compiler.compile_async(params.structured_outputs)
+            compiled = await self._compile(params, deadline)
         rid = self.core.add_request(prompt_ids, params, request_id, compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -427,6 +428,25 @@ class Coordinator:
         finally:
             self._queues.pop(rid, None)
             self.core.abort(rid)  # no-op when it finished normally
+
+    async def _compile(self, params: SamplingParams, deadline: float | None):
+        """The request's compiled grammar, from the compile pool, within ``GRAMMAR_COMPILE_TIMEOUT_S``
+        (and the request's deadline).
+
+        Raises:
+            ValueError: it does not compile, or not in time (message starts ``structured_outputs:``).
+            DeadlineExceeded: the request's deadline passed first.
+        """
+        limit = GRAMMAR_COMPILE_TIMEOUT_S
+        if deadline is not None:
+            limit = min(limit, deadline - asyncio.get_running_loop().time())
+        try:
+            return await asyncio.wait_for(self.core.grammar_compiler.compile_async(params.structured_outputs), limit)
+        except TimeoutError:
+            if limit < GRAMMAR_COMPILE_TIMEOUT_S:
+                raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+            raise ValueError(f"structured_outputs: the constraint did not compile within "
+                             f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; simplify it") from None
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams) -> dict:
         """Whole completion (Ray-callable): ``{"token_ids", "text", "finish_reason", "logprobs"}``."""

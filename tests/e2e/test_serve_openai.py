@@ -488,6 +488,10 @@ def test_structured_outputs_and_penalties_streamed_and_not_equal_the_engine(serv
     texts, reasons, _, _ = stream_chat(server, max_tokens=40, response_format=response_format)
     assert whole.finish_reason == reasons[0] == "stop" and texts[0] == whole.message.content
     jsonschema.validate(json.loads(whole.message.content), CITY)
+    sampled = chat(server, max_tokens=40, response_format=response_format, n=2, seed=3, temperature=0.9)
+    for choice in sampled.choices:   # n choices: one compile, one matcher each
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
     (paris,) = tokenizer.encode(" Paris", add_special_tokens=False)
     penalized = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(paris): -100})
     regex = server.client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0,

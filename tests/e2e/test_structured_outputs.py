@@ -29,9 +29,9 @@ PERSON = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "city": {"enum": ["Paris", "東京", "Zürich"]},
         "email": {"anyOf": [{"type": "string", "maxLength": 24}, {"type": "null"}]},
-        "pets": {"type": "array", "items": {"$ref": "#/$defs/pet"}, "maxItems": 2},
+        "pets": {"type": "array", "items": {"$ref": "#/$defs/pet"}, "maxItems": 1},
         "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer", "maximum": 9},
-                                            "maxItems": 2}, "maxItems": 2},
+                                            "maxItems": 2}, "maxItems": 1},
     },
     "required": ["name", "age", "city", "email", "pets", "grid"],
     "additionalProperties": False,
@@ -45,15 +45,20 @@ def live_grammars() -> int:
 
 
 def test_json_schema_outputs_validate_greedy_and_sampled(smollm2_llm):
-    spec = StructuredOutputs.json_schema(PERSON)
-    params = [SamplingParams(max_tokens=160, temperature=0, structured_outputs=spec)] + [
-        SamplingParams(max_tokens=160, temperature=0.8, seed=seed, structured_outputs=spec) for seed in (1, 2)] + [
-        SamplingParams(max_tokens=60, temperature=0, structured_outputs=StructuredOutputs.json_object(True))]
-    done = smollm2_llm.generate([ASK] * len(params), params)
-    for d in done[:3]:
+    """One greedy answer and two seeded samples of the same constraint (what ``n=2`` sends) on one
+    line, batched together with a json_object request."""
+    one_line = StructuredOutputs.json_schema(PERSON, disable_any_whitespace=True)
+    params = [SamplingParams(max_tokens=120, temperature=0, structured_outputs=StructuredOutputs.json_schema(PERSON))] + [
+        SamplingParams(max_tokens=120, temperature=0.8, seed=seed, structured_outputs=one_line) for seed in (1, 2)] + [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs.json_object(True))]
+    capital = [{"role": "user", "content": 'Give the capital of France as a JSON object with the key "capital".'}]
+    done = smollm2_llm.generate([ASK] * 3 + [capital], params)
+    for d in done:
         assert d.finish_reason == "stop", d.text
+    for d in done[:3]:
         jsonschema.validate(json.loads(d.text), PERSON)
-    assert isinstance(json.loads(done[3].text), dict) and ": " not in done[3].text   # compact: no spaces
+    assert all("\n" not in d.text for d in done[1:])
+    assert isinstance(json.loads(done[3].text), dict)
     assert live_grammars() == 0
 
 

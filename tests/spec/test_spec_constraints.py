@@ -19,6 +19,7 @@ from spec_helpers import greedy, install_oracle, make_llm, prompts
 from tiny_checkpoints import tiny_token_text
 
 REGEX = "(w01[0-9]|w02[0-9]|w1[0-2][0-9])+w05[0-9]"   # several tokens, then one that ends it
+PREFIX = "(w01[0-9]|w02[0-9]|w1[0-2][0-9])*"            # what max_tokens may leave of it
 CHOICE = ["w003w004w005", "w003w009", "w077"]
 EOS = 1
 
@@ -121,6 +122,35 @@ def test_sampled_constrained_output_matches_its_grammar(mtp_checkpoint):
         if d.finish_reason == "stop":
             assert re.fullmatch(REGEX, text_of(d.token_ids)), d.token_ids
         else:   # cut by max_tokens: a prefix of a sentence of the language
-            assert re.fullmatch("(w01[0-9]|w02[0-9]|w1[0-2][0-9])*", text_of(d.token_ids)), d.token_ids
+            assert re.fullmatch(PREFIX, text_of(d.token_ids)), d.token_ids
     assert text_of(done[4].token_ids) in CHOICE
     assert_released(llm)
+
+
+def test_cli_generate_with_a_constraint(mtp_checkpoint, capsys, tmp_path):
+    """``shardserve generate --regex / --choice / --json-schema`` (with MTP speculation); bad
+    constraints are one line on stderr and exit code 2."""
+    from shardserve.cluster.cli import main
+
+    argv = ["generate", "--model", str(mtp_checkpoint("glm_moe_dsa").path), "--prompt", "w005 w017 w033",
+            "--max-tokens", "12", "--kv-cache-gib", "0.002", "--block-size", "4", "--speculative-tokens", "2"]
+    assert main(argv + ["--regex", REGEX, "--presence-penalty", "0.5", "--logit-bias", "12=3"]) == 0
+    # the whole language or, cut by --max-tokens, a prefix of a sentence of it
+    assert re.fullmatch(f"({REGEX})|{PREFIX}", "".join(capsys.readouterr().out.split()))
+    assert main(argv + ["--choice", "w077", "--choice", "w003w009"]) == 0
+    assert "".join(capsys.readouterr().out.split()) in ("w077", "w003w009")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    not_compiling = tmp_path / "objekt.json"
+    not_compiling.write_text('{"type": "objekt"}')
+    for extra, fragment in ((["--json-schema", str(bad_json)], "is not valid JSON"),
+                            (["--json-schema", str(tmp_path / "missing.json")], "cannot read it"),
+                            (["--json-schema", str(not_compiling)], 'Unsupported type "objekt"'),
+                            (["--logit-bias", "12"], "expected TOKEN_ID=VALUE"),
+                            (["--logit-bias", "12=101"], "logit_bias values must be in [-100, 100]"),
+                            (["--min-tokens", "13"], "min_tokens must be in [0, max_tokens (12)]")):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("shardserve: error: ") and fragment in err, err
+    with pytest.raises(SystemExit):   # one constraint at most
+        main(argv + ["--regex", "a", "--choice", "b"])
