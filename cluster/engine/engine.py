@@ -46,6 +46,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache
 
 
 @dataclass(slots=True)
@@ -117,10 +118,12 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    compiled_grammar=None) -> str:
+                    cache_seed: int = 0, compiled_grammar=None) -> str:
         """Queue a request; returns its id.
 
         Args:
+            cache_seed: its prefix-cache chain's start (:func:`cluster.engine.block_manager.cache_seed`;
+                0 = shared with every unsalted request).
             compiled_grammar: ``params.structured_outputs`` compiled (the coordinator compiles off
                 its event loop first); None: compiled here, blocking.
 
@@ -134,7 +137,8 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                          cache_seed=cache_seed)
         if params.structured_outputs is not None:
             if compiled_grammar is None:
                 compiled_grammar = self.grammar_compiler.compile(params.structured_outputs)
@@ -235,7 +239,7 @@ class EngineCore:
         return RequestOutput(
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
-            request.num_prompt_tokens, request.num_output_tokens)
+            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params

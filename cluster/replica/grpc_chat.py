@@ -18,6 +18,15 @@ from shardserve.proto import inference_pb2 as pb
 _NO_PARAMETERS = '{"type": "object", "properties": {}}'
 
 
+def chat_chars(msg: pb.Chat) -> int:
+    """Characters of a proto chat's text (messages, calls, tools, template variables): what the
+    prompt-size limit counts before anything is rendered."""
+    size = len(msg.template_kwargs) + sum(len(t.name) + len(t.description) + len(t.parameters) for t in msg.tools)
+    for m in msg.messages:
+        size += len(m.content) + len(m.reasoning_content) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return size
+
+
 def _messages(msg: pb.Chat) -> list[dict]:
     messages = []
     for m in msg.messages:
