@@ -88,8 +88,10 @@ class AgentChat:
                 raise ValueError(f"--tool-choice {options.tool_choice} constrains the output to a call; drop the "
                                  "other output constraint (--json-schema, --regex, ...)")
             params.structured_outputs = constraint
-        output = self.parsers.output(options, text, params.structured_outputs is not None)
+        output = self.parsers.output(options, text)
         params.skip_special_tokens = output is None or not output.needs_special_tokens
+        if output is not None:
+            params.structured_outputs = output.constraint(params.structured_outputs, tokenizer)
         return encode_rendered(tokenizer, text), output
 
 

@@ -61,6 +61,9 @@ class StructuredOutputs:
         disable_any_whitespace: JSON kinds: one fixed separator style (``", "`` and ``": "``, no
             newlines or indentation) instead of any whitespace (vLLM's field of that name, xgrammar's
             ``any_whitespace=False``). Small models otherwise may emit whitespace without end.
+        start_after: the constraint applies after the output contains these token ids in a row
+            (the reasoning parser's end of thinking, e.g. ``</think>``: the model thinks freely,
+            then answers in the grammar); empty = from the first output token.
 
     Raises:
         ValueError: an unknown kind or a value of the wrong type (message names the kind).
@@ -69,6 +72,7 @@ class StructuredOutputs:
     kind: str
     value: str | tuple[str, ...] | None = None
     disable_any_whitespace: bool = False
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -82,6 +86,8 @@ class StructuredOutputs:
         if not ok:
             want = {"json_object": "no value", "choice": "a non-empty list of strings"}.get(self.kind, "a non-empty string")
             raise ValueError(f"structured output {self.kind!r} needs {want}, got {self.value!r}")
+        if not isinstance(self.start_after, tuple) or not all(isinstance(t, int) and t >= 0 for t in self.start_after):
+            raise ValueError(f"start_after must be a tuple of token ids, got {self.start_after!r}")
 
     @classmethod
     def json_schema(cls, schema: dict | str, disable_any_whitespace: bool = False) -> StructuredOutputs:

@@ -7,15 +7,22 @@ and only the answer part goes to the tool parser (a call written while thinking 
 The non-streamed message is the same chain fed the whole text, so it equals what the chunks add
 up to. ``finish_reason`` becomes ``"tool_calls"`` when the answer made calls and ended by itself;
 ``"length"`` stays (an answer cut inside thinking or inside a call).
+
+An output constraint (a schema, a forced call) of a choice that thinks first applies after its
+thinking (:meth:`ChoiceOutput.constraint`): thinking, speculation and the grammar work together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from shardserve.cluster.engine.request import StructuredOutputs
 
 from shardserve.cluster.frontend.chat_request import ChatOptions
 from shardserve.cluster.frontend.openai_protocol import bad_request
 from shardserve.cluster.frontend.reasoning import ReasoningParser, get_reasoning_parser, reasoning_parser_names
+from shardserve.cluster.frontend.reasoning.base import END as REASONING_END
 from shardserve.cluster.frontend.tool_parsers import CallDelta, ParseDelta, ToolParser, get_tool_parser, tool_parser_names
 from shardserve.cluster.frontend.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
@@ -54,14 +61,12 @@ class ParserConfig:
                               "--enable-auto-tool-choice and --tool-call-parser; send tool_choice \"none\", "
                               '"required" or a named function instead', "tool_choice")
 
-    def output(self, options: ChatOptions | None, prompt: str | None, constrained: bool) -> ChoiceOutput | None:
+    def output(self, options: ChatOptions | None, prompt: str | None) -> ChoiceOutput | None:
         """The output chain of one choice (None: plain text, nothing to parse).
 
         Args:
             options: the request's agent settings (None: a request without them).
             prompt: the rendered prompt (tells whether the answer starts inside thinking).
-            constrained: the output is constrained from its first token (a schema, a forced call):
-                no thinking block can come first.
         """
         options = options or ChatOptions()
         tools: ToolParser | None = None
@@ -72,7 +77,7 @@ class ParserConfig:
         elif options.tool_choice == "auto" and options.tools and self.tool_call_parser:
             tools = get_tool_parser(self.tool_call_parser)(options.schemas)
         reasoning = None
-        if self.reasoning_parser and not constrained:
+        if self.reasoning_parser:
             reasoning = get_reasoning_parser(self.reasoning_parser)(prompt, options.thinking)
         if tools is None and reasoning is None:
             return None
@@ -112,6 +117,21 @@ class ChoiceOutput:
         self.num_calls = 0
         self.text = {"reasoning": [], "content": []}   # everything told, for the finished message
         self.calls: dict[int, dict] = {}
+
+    @property
+    def thinks_first(self) -> bool:
+        """The answer starts inside (or may open) a thinking block: an output constraint waits for
+        its end (:meth:`constraint`)."""
+        return self.reasoning is not None and self.reasoning.thinking
+
+    def constraint(self, spec: StructuredOutputs | None, tokenizer) -> StructuredOutputs | None:
+        """``spec`` as it applies to this choice: when the answer thinks first, from after the
+        thinking block's end (the ids of ``</think>`` in ``tokenizer``), so the model thinks freely
+        and the answer part follows the schema (vLLM's structured outputs with a reasoning parser).
+        An answer that never closes its thinking stays unconstrained (and ends by ``length``)."""
+        if spec is None or not self.thinks_first:
+            return spec
+        return dataclasses.replace(spec, start_after=tuple(tokenizer.encode(REASONING_END, add_special_tokens=False)))
 
     @property
     def needs_special_tokens(self) -> bool:

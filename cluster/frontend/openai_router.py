@@ -301,8 +301,10 @@ class RouterCore:
                 charged = self._charge_tokens(caller, parsed, prompt_ids)
             except LimitExceeded as exc:
                 raise limit_error(exc) from None
-            outputs = [self.parsers.output(parsed.chat, text, parsed.structured is not None)
-                       if parsed.kind == "chat" else None for text in texts for _ in range(parsed.n)]
+            outputs = [self.parsers.output(parsed.chat, text) if parsed.kind == "chat" else None
+                       for text in texts for _ in range(parsed.n)]
+            if parsed.structured is not None and outputs and outputs[0] is not None:   # thinking comes first
+                parsed.structured = outputs[0].constraint(parsed.structured, self.tokenizer)
             if echo is not None:   # a response always has items, parsed or not
                 outputs = [output or ChoiceOutput(None, None) for output in outputs]
             run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller,

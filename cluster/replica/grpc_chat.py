@@ -91,9 +91,10 @@ def chat_prompt(tokenizer, msg: pb.Chat, parsing: pb.OutputParsing | None,
             raise ValueError("parsing: tool_choice required / a function already constrains the output; "
                              "drop sampling.structured_outputs")
         params.structured_outputs = constraint
-    output = parsers.output(options, text, params.structured_outputs is not None)
+    output = parsers.output(options, text)
     if output is not None:
         params.skip_special_tokens = not output.needs_special_tokens
+        params.structured_outputs = output.constraint(params.structured_outputs, tokenizer)
     return ids, output
 
 

@@ -162,7 +162,7 @@ def chain(reasoning: str | None = "deepseek_v3", tools: str | None = "deepseek_v
           parallel=True, include_reasoning=True, choice="auto"):
     body = {"messages": CHAT, "tools": [WEATHER], "tool_choice": choice, "parallel_tool_calls": parallel,
             "include_reasoning": include_reasoning}
-    return ParserConfig(tools, tools is not None, reasoning).output(parse_chat(body).chat, prompt, False)
+    return ParserConfig(tools, tools is not None, reasoning).output(parse_chat(body).chat, prompt)
 
 
 def run_stream(output, pieces: list[str], reason: str) -> tuple[dict, str]:
@@ -235,7 +235,7 @@ def test_tool_choice_none_leaves_markup_shaped_text_alone():
 
 
 def test_choice_delta_extend_joins_fragments_of_one_call():
-    output = ParserConfig("hermes", True).output(parse_chat({"messages": CHAT, "tools": [WEATHER]}).chat, "", False)
+    output = ParserConfig("hermes", True).output(parse_chat({"messages": CHAT, "tools": [WEATHER]}).chat, "")
     first = output.feed('<tool_call>{"name": "get_weather", "arguments": {"ci')
     first.extend(output.feed('ty": "Rome"}}</tool_call>'))
     first.extend(output.finish())
@@ -275,3 +275,29 @@ def test_builtin_deepseek_v32_template_and_dsml_parser_agree(tmp_path):
     assert result.content == "Checking."
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == calls
     assert text.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n") and '"name": "get_weather"' in text
+
+
+def test_a_forced_call_after_thinking_is_constrained_from_the_end_of_thinking():
+    """With a reasoning parser the call's constraint starts after ``</think>`` (its token ids) when
+    the answer thinks first, and from the first token when thinking is off; the thinking is
+    reasoning, the call after it is parsed."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from shardserve.cluster.frontend.structured import structured_from_proto, structured_to_proto
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    spec = tool_constraint(parse_chat({"messages": CHAT, "tools": [WEATHER], "tool_choice": named("get_weather")}).chat)
+    thinking = chain(choice=named("get_weather"))
+    deferred = thinking.constraint(spec, tokenizer)
+    assert deferred.start_after == (end,) and spec.start_after == ()
+    assert structured_from_proto(structured_to_proto(deferred)) == deferred   # the gRPC hop
+    assert chain(choice=named("get_weather"), prompt="<｜Assistant｜></think>").constraint(spec, tokenizer) == spec
+    assert chain(reasoning=None, choice="required").constraint(spec, tokenizer) == spec
+    assert thinking.constraint(None, tokenizer) is None
+    message, reason = whole(thinking, 'Rome it is.</think>{"city": "Rome"}', "stop")
+    assert reason == "tool_calls" and message["reasoning_content"] == "Rome it is." and not message["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        [("get_weather", '{"city": "Rome"}')]

@@ -1,10 +1,7 @@
 """What the agent end-to-end tests share: one greedy chat asked twice (streamed and not) and read
-the way a client assembles it, and a skip while the engine refuses output constraints."""
+the way a client assembles it."""
 
 from __future__ import annotations
-
-import openai
-import pytest
 
 
 def both(client, **kwargs) -> tuple[dict, dict]:
@@ -38,12 +35,3 @@ def both(client, **kwargs) -> tuple[dict, dict]:
                 "finish": finish, "usage": chunks[-1].usage.model_dump()}
     return whole, streamed
 
-
-def constrained_or_skip(call):
-    """Run ``call``; skip while the engine refuses constraints (before the grammar path lands)."""
-    try:
-        return call()
-    except openai.BadRequestError as err:
-        if "not implemented yet by this engine" in str(err):
-            pytest.skip("structured outputs are not implemented by this engine yet (issue 26 item 1)")
-        raise

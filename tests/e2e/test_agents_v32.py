@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 
-from agent_helpers import both, constrained_or_skip  # noqa: E402
+from agent_helpers import both  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -147,33 +147,44 @@ def test_free_answers_stream_like_whole_with_thinking_and_tools(v32):
 
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_calls_validate_against_the_schema(v32, choice):
+    """``required`` thinks first: its constraint starts after ``</think>`` (a logit bias makes the
+    random model close its thinking soon; the grammar masks ``</think>`` afterwards); the named
+    call answers in chat mode, constrained from the first token."""
     server, _, _ = v32
-    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    if choice == "named":
+        tool_choice, extra = {"type": "function", "function": {"name": "get_weather"}}, {}
+    else:
+        from shardserve.cluster.tokenizer import load_tokenizer
+        from shardserve.workers.model_source import resolve_model
+
+        model = server.client.models.list().data[0].id
+        end = load_tokenizer(resolve_model(model)).convert_tokens_to_ids("</think>")
+        tool_choice = "required"
+        extra = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(end): 6}}
     # one call: a random model would add calls to the array until max_tokens
-    whole, streamed = constrained_or_skip(lambda: both(server.client, messages=ASK, tools=[WEATHER, TIME],
-                                                       tool_choice=tool_choice, max_tokens=200,
-                                                       parallel_tool_calls=False))
+    whole, streamed = both(server.client, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                           max_tokens=200, parallel_tool_calls=False, extra_body=extra)
     assert whole == streamed and whole["finish"] == "tool_calls"
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    assert whole["message"]["calls"]
+    assert len(whole["message"]["calls"]) == 1
     for name, arguments in whole["message"]["calls"]:
         jsonschema.validate(json.loads(arguments), schemas[name])
         assert choice == "required" or name == "get_weather"
-    assert len(whole["message"]["calls"]) == 1
+    assert "</think>" not in whole["message"]["reasoning"] and "<" not in whole["message"]["content"]
 
 
 def test_dsml_calls_are_parsed_across_speculative_steps(v32):
-    """The answer is forced to be a sentence then DSML calls (a regex constraint: chat mode, since a
-    constrained answer has no thinking block); the parser must return the sentence as content and
+    """The answer is forced to be a sentence then DSML calls (a regex constraint, in chat mode: the
+    whole answer is constrained); the parser must return the sentence as content and
     the call, however MTP grouped the tokens, streamed as whole."""
     server, _, _ = v32
     param = f'<{DSML}parameter name="city" string="true">[a-z杭州]{{1,4}}</{DSML}parameter>\n' \
             f'<{DSML}parameter name="days" string="false">[1-9]</{DSML}parameter>'
     invoke = f'<{DSML}invoke name="get_weather">\n{param}\n</{DSML}invoke>'
     pattern = f"[A-Z][a-z ]{{0,8}}\\.\n\n<{DSML}function_calls>\n{invoke}\n</{DSML}function_calls>"
-    whole, streamed = constrained_or_skip(lambda: both(
-        server.client, messages=ASK, tools=[WEATHER, TIME], max_tokens=320,
-        extra_body={"chat_template_kwargs": {"thinking": False}, "structured_outputs": {"regex": pattern}}))
+    whole, streamed = both(server.client, messages=ASK, tools=[WEATHER, TIME], max_tokens=320,
+                           extra_body={"chat_template_kwargs": {"thinking": False},
+                                       "structured_outputs": {"regex": pattern}})
     assert whole == streamed and whole["finish"] == "tool_calls" and whole["message"]["reasoning"] == ""
     assert whole["message"]["content"].endswith(".") and "｜" not in whole["message"]["content"]
     assert len(whole["message"]["calls"]) == 1
@@ -218,9 +229,9 @@ def test_responses_api_with_function_tools(v32):
     server, _, _ = v32
     model = server.client.models.list().data[0].id
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
-    response = constrained_or_skip(lambda: server.client.responses.create(
-        model=model, input="Weather in 杭州?", tools=tools, tool_choice="required", max_output_tokens=200,
-        temperature=0, parallel_tool_calls=False))
+    response = server.client.responses.create(model=model, input="Weather in 杭州?", tools=tools,
+                                              tool_choice="required", max_output_tokens=200, temperature=0,
+                                              parallel_tool_calls=False)
     calls = [item for item in response.output if item.type == "function_call"]
     assert response.status == "completed" and calls
     for item in calls:

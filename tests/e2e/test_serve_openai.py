@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from agent_helpers import both, constrained_or_skip
+from agent_helpers import both
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.tokenizer import encode_chat
 from shardserve.proto import inference_pb2 as pb
@@ -409,9 +409,8 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
                          ids=["named", "required"])
 def test_forced_tool_calls_validate_against_the_schema_streamed_and_not(server, tool_choice):
     # parallel_tool_calls false: one call (a small model may otherwise add calls until max_tokens)
-    whole, streamed = constrained_or_skip(lambda: both(server.client, messages=WEATHER_Q, tools=[WEATHER, SEARCH],
-                                                       tool_choice=tool_choice, max_tokens=120,
-                                                       parallel_tool_calls=False))
+    whole, streamed = both(server.client, messages=WEATHER_Q, tools=[WEATHER, SEARCH], tool_choice=tool_choice,
+                           max_tokens=120, parallel_tool_calls=False)
     assert whole == streamed and whole["finish"] == "tool_calls" and len(whole["message"]["calls"]) == 1
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
     for name, arguments in whole["message"]["calls"]:
@@ -469,9 +468,8 @@ def test_responses_api_answers_like_chat_streamed_and_not(server):
         server.client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
     assert err.value.body["param"] == "previous_response_id" and "store" in err.value.body["message"]
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
-    called = constrained_or_skip(lambda: server.client.responses.create(
-        model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=80,
-        temperature=0, parallel_tool_calls=False))
+    called = server.client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required",
+                                            max_output_tokens=80, temperature=0, parallel_tool_calls=False)
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and all(c.call_id.startswith("call_") for c in calls)
     for item in calls:
