@@ -568,7 +568,9 @@ class RouterCore:
             if on_response is not None:
                 await on_response(index, resp)
 
-    async def _complete(self, run: _Run) -> Response:
+    async def _read_run(self, run: _Run) -> JSONResponse | None:
+        """Read every choice of a non-streamed run to its end and settle it; the error answer when
+        a replica failed (None: all finished)."""
         try:
             await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
             run.status, run.outcome = 200, "finished"
@@ -577,6 +579,12 @@ class RouterCore:
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             self._finish(run)
+        return None
+
+    async def _complete(self, run: _Run) -> Response:
+        error = await self._read_run(run)
+        if error is not None:
+            return error
         body = response_body(run.parsed.kind, run.request_id, run.created, run.model, run.choices, self.token_text,
                              run.parsed.logprobs is not None, run.parsed.n)
         return JSONResponse(body)

@@ -39,14 +39,9 @@ async def respond(core, run, echo: dict) -> Response:
 
         run.status = 200
         return _EventStream(_events(core, run, builder), lambda: core._finish(run))
-    try:
-        await core._read_all(run, 0)
-        run.status, run.outcome = 200, "finished"
-    except grpc.aio.AioRpcError as exc:
-        err = core._failed(run, exc)
-        return JSONResponse(err.body(), status_code=err.status)
-    finally:
-        core._finish(run)
+    error = await core._read_run(run)
+    if error is not None:
+        return error
     output = run.choices[0].output
     builder.add(output.feed(run.choices[0].text))
     builder.add(output.finish())

@@ -10,6 +10,7 @@ from shardserve.cluster.frontend.reasoning.deepseek_r1 import DeepSeekR1Reasonin
 from shardserve.cluster.frontend.reasoning.deepseek_v3 import DeepSeekV3ReasoningParser
 from shardserve.cluster.frontend.reasoning.glm45 import Glm45ReasoningParser
 from shardserve.cluster.frontend.reasoning.qwen3 import Qwen3ReasoningParser
+from shardserve.cluster.frontend.tool_parsers.base import registered
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {cls.name: cls for cls in (
     DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Glm45ReasoningParser, Qwen3ReasoningParser)}
@@ -26,11 +27,7 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
-                         f"{', '.join(reasoning_parser_names())}") from None
+    return registered(REASONING_PARSERS, name, "reasoning parser")
 
 
 __all__ = ["REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "get_reasoning_parser", "parse_reasoning",

@@ -6,7 +6,7 @@ none imports the engine, and the engine imports none of them.
 from __future__ import annotations
 
 from shardserve.cluster.frontend.tool_parsers.base import (
-    CallDelta, ParseDelta, ParsedText, ToolCall, ToolParser, collect, new_call_id, parse_text)
+    CallDelta, ParseDelta, ParsedText, ToolCall, ToolParser, collect, new_call_id, parse_text, registered)
 from shardserve.cluster.frontend.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from shardserve.cluster.frontend.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
 from shardserve.cluster.frontend.tool_parsers.glm45 import Glm45ToolParser
@@ -30,11 +30,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of: "
-                         f"{', '.join(tool_parser_names())}") from None
+    return registered(TOOL_PARSERS, name, "tool call parser")
 
 
 __all__ = ["CallDelta", "ParseDelta", "ParsedText", "TOOL_PARSERS", "ToolCall", "ToolParser", "collect",

@@ -35,6 +35,18 @@ from dataclasses import dataclass, field
 WHITESPACE = " \t\r\n"
 
 
+def registered(registry: dict, name: str, what: str):
+    """``registry[name]`` of a parser registry (``what``: its flag's words, e.g. "tool call parser").
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(sorted(registry))}") from None
+
+
 def new_call_id() -> str:
     """A tool-call id as OpenAI spells them (``call_`` + 24 hex digits)."""
     return f"call_{uuid.uuid4().hex[:24]}"
