@@ -143,7 +143,7 @@ def test_generate_with_a_named_tool_prints_a_call_that_fits_the_schema(smollm2_f
     exe = Path(sys.executable).parent / "shardserve"
     proc = subprocess.run([str(exe), "generate", "--model", str(smollm2_files.path), "--chat", "--prompt",
                            "Weather in Paris?", "--tools", str(tools), "--tool-choice", "get_weather",
-                           "--max-tokens", "40"], capture_output=True, text=True, timeout=600)
+                           "--max-tokens", "40", "--kv-cache-gib", "0.05"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     answer = json.loads(proc.stdout)
     assert answer["finish_reason"] == "tool_calls" and answer["content"] is None
