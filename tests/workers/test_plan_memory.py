@@ -108,6 +108,9 @@ def test_plan_of_packed_gguf_and_tensor_parallel_ranks(tiny_gguf, checkpoints): 
                                       weight_format=fmt)
     assert planned == weight_bytes_by_format(model) and set(planned) == {"int4", "int8", "bfloat16"}
     assert sum(planned.values()) == weight_bytes
+    with StorageTracker(staging=STAGING) as tracker:   # the GGUF path dequantized (a GPU rank's): no transient
+        _, weight_bytes = build_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16, progress=False)
+    assert tracker.peak == weight_bytes
     path = checkpoints("deepseek_v32")
     hf_config = load_config(ModelFiles(path.name, path))
     plan_config = PlanConfig(tensor_parallel_size=2, device="cpu", kv_cache_bytes=1 << 20, block_size=BLOCK,
