@@ -112,5 +112,5 @@ def assert_same_plans(logged: list[str], folder, *argv) -> None:
     with contextlib.redirect_stdout(out):
         main(["plan", str(folder), *argv, "--json"])
     printed = [rank["summary"] for rank in json.loads(out.getvalue())["ranks"]]
-    usable = re.compile(r"\(cpu, [0-9.]+ GiB usable of [0-9.]+ GiB\)")
+    usable = re.compile(r"\(cpu, [0-9.]+ [GM]iB usable of [0-9.]+ [GM]iB\)")
     assert [usable.sub("", line) for line in logged] == [usable.sub("", line) for line in printed]

@@ -157,9 +157,9 @@ def test_serve_logs_the_plan_that_plan_prints(checkpoints, caplog, capsys):
     logged = [r.getMessage().removeprefix("plan: ") for r in caplog.records if r.getMessage().startswith("plan: ")]
     assert main(["plan", str(path), *args, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["ranks"][0]["summary"]
-    usable = re.compile(r"\(cpu, [0-9.]+ GiB usable of [0-9.]+ GiB\)")
+    usable = re.compile(r"\(cpu, [0-9.]+ [GM]iB usable of [0-9.]+ [GM]iB\)")
     assert len(logged) == 1 and usable.sub("", logged[0]) == usable.sub("", printed), (logged, printed)
-    assert "KV budget 0.00 GiB = " in printed and "bytes/token" in printed
+    assert "KV budget 4.10 MiB = " in printed and "bytes/token" in printed
     assert main(["plan", str(path), *args]) == 0   # the table: every quantity a row, ranks as columns
     table = capsys.readouterr().out
     for label in ("weights", "bfloat16", "float32", "KV bytes/token", "indexer bytes/token", "draft bytes/token",
