@@ -44,6 +44,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache
 
 
 @dataclass(slots=True)
@@ -108,8 +109,10 @@ class EngineCore:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; returns its id.
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_seed: int = 0) -> str:
+        """Queue a request; returns its id. ``cache_seed``: its prefix-cache chain's start
+        (:func:`cluster.engine.block_manager.cache_seed`; 0 = shared with every unsalted request).
 
         Raises:
             ValueError: invalid parameters or prompt (see :meth:`validate`), or a duplicate id.
@@ -118,7 +121,8 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                          cache_seed=cache_seed)
         self.requests[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop))
         self.scheduler.add(request)
         return request_id
@@ -197,7 +201,7 @@ class EngineCore:
         return RequestOutput(
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
-            request.num_prompt_tokens, request.num_output_tokens)
+            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params

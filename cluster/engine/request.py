@@ -11,6 +11,7 @@ from shardserve.workers.messages import SamplingOptions
 # Limits every front end applies (HTTP as OpenAI does, gRPC and the CLI the same).
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 256       # each stop string is checked against the text after every token
 MAX_LOGPROBS = 20
 
 
@@ -77,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"a stop string holds at most {MAX_STOP_STRING_CHARS} characters")
 
     def sampling_options(self) -> SamplingOptions:
         """The subset rank 0's sampler needs."""
@@ -108,6 +111,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
+    cache_seed: int = 0                 # first parent hash of its prefix-cache chain (tenant + cache_salt)
+    num_cached_tokens: int = 0          # prompt tokens it took from the prefix cache (usage)
     status: RequestStatus = RequestStatus.WAITING
     sent_to_workers: bool = False       # workers hold state for it (cleared on preemption)
     num_sent_blocks: int = 0            # how many of block_ids the workers have been told about

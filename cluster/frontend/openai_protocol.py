@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from shardserve.cluster.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from shardserve.cluster.engine.request import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
@@ -35,9 +35,10 @@ class OpenAIError(Exception):
     """
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after   # seconds, for a 429's Retry-After (None: the default)
 
     def body(self) -> dict:
         """The JSON body OpenAI sends for this error."""
@@ -55,6 +56,16 @@ def unavailable(message: str) -> OpenAIError:
 def rate_limited(message: str) -> OpenAIError:
     """429: every replica's waiting queue is full (send ``Retry-After`` with it)."""
     return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded")
+
+
+def limit_error(exc) -> OpenAIError:
+    """The OpenAI error of a :class:`cluster.frontend.limits.LimitExceeded`: 413 (body too large),
+    429 (rate, with its retry time) or 400."""
+    if exc.status == 413:
+        return OpenAIError(413, str(exc), "invalid_request_error", None, "request_too_large")
+    if exc.status == 429:
+        return OpenAIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded", exc.retry_after)
+    return bad_request(str(exc), exc.param, "limit_exceeded")
 
 
 def timed_out(message: str) -> OpenAIError:
@@ -135,6 +146,29 @@ class ParsedRequest:
     seed: int | None = None                     # choice i uses seed + i (vLLM's rule)
     logprobs: int | None = None                 # alternatives per token; None = no logprobs
     max_tokens: int | None = None               # also in ``sampling``; kept for routing cost
+    cache_salt: str = ""                        # vLLM's cache_salt: prefix-cache isolation within a key
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def prompt_chars(prompt) -> int:
+    """Characters of one parsed prompt (a chat's message contents, or a text; token ids: 0)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(message.get("content") or "") for message in prompt)
+    return 0
+
+
+def _cache_salt(body: dict) -> str:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                          "cache_salt")
+    return salt
 
 
 def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
@@ -166,6 +200,8 @@ def _stop(body: dict) -> list[str]:
         raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise bad_request(f"a stop string holds at most {MAX_STOP_STRING_CHARS} characters", "stop")
     return list(stops)
 
 
@@ -224,7 +260,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         sampling["ignore_eos"] = True
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
     return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
-                         None, max_tokens)
+                         None, max_tokens, _cache_salt(body))
 
 
 def _content(message: dict, index: int) -> str:
@@ -363,6 +399,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0                          # prompt tokens from the prefix cache
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -26,6 +26,7 @@ from shardserve.proto import inference_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
+APP_NAME = "shardserve-test"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 JAPANESE = [{"role": "user", "content": "Write 'thank you' in Japanese."}]  # greedy answer: kana/kanji
 
@@ -47,9 +48,22 @@ def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
         return err.code, err.headers.get("Content-Type", ""), err.read()
 
 
+def replicas_ready(app_name: str, num_replicas: int) -> bool:
+    """Every model replica of ``app_name`` reports ready (through Serve: this process is the driver)."""
+    from ray import serve
+
+    try:
+        states = [serve.get_deployment_handle(f"ModelReplica{i}", app_name).status.remote().result(timeout_s=10)["state"]
+                  for i in range(num_replicas)]
+    except Exception:  # noqa: BLE001 - still deploying
+        return False
+    assert "failed" not in states, states
+    return all(state == "ready" for state in states)
+
+
 def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dict]]:
-    """Poll ``/health`` until every replica is ready; returns the router's answers seen before (503
-    while nothing serves, 200 once some replica does)."""
+    """Poll ``/health`` until it says ok and every replica is ready; returns the router's answers
+    seen before (503 ``loading`` while nothing serves, 200 once some replica does)."""
     seen, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -61,10 +75,10 @@ def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dic
             time.sleep(0.2)  # the proxy answers, the router is not deployed yet
             continue
         body = json.loads(raw)
-        if status == 200 and all(r["state"] == "ready" for r in body["replicas"]):
+        if status == 200 and replicas_ready(APP_NAME, 2):
             return seen
         seen.append((status, body))
-        assert not any(r["state"] == "failed" for r in body.get("replicas", [])), body
+        assert body["status"] != "unhealthy", body
         time.sleep(0.2)
     raise TimeoutError(f"{base} not ready after {timeout_s} s: {seen[-1:]}")
 
@@ -102,7 +116,7 @@ def server(ray_cluster):
                          "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN, "grpc_host": "127.0.0.1",
                          "grpc_port": 0, "dtype": "float32"})   # as smollm2_llm
         # serve.run returns once every replica has loaded; watch /health meanwhile
-        deploying = ThreadPoolExecutor(1).submit(serve.run, app, name="shardserve-test", route_prefix="/")
+        deploying = ThreadPoolExecutor(1).submit(serve.run, app, name=APP_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         before_ready = wait_until_serving(base)
         deploying.result(timeout=120)
@@ -140,11 +154,7 @@ def test_answers_503_with_an_openai_body_until_loaded_then_lists_the_model(serve
     loading = [body for status, body in server.before_ready if status != 200]
     assert loading, "the app deploys at once and loads in the background: /health said 503 first"
     for status, body in server.before_ready:
-        assert status in (200, 503)
-        if status == 503:
-            assert body["error"]["type"] == "service_unavailable_error" and "loading" in body["error"]["message"]
-        else:  # one replica serves while the other still loads
-            assert "ready" in [r["state"] for r in body["replicas"]]
+        assert (status, body) in ((200, {"status": "ok"}), (503, {"status": "loading"}))   # nothing more
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     # each replica = one placement group: bundle 0 (the replica) + one bundle per TP rank, no nested group
@@ -308,15 +318,22 @@ def _valid_utf8(raw: bytes) -> bool:
         return False
 
 
-def test_grpc_api_of_a_replica_gives_the_same_answer(server):
-    _, _, raw = http(server.base + "/health")
-    address = json.loads(raw)["replicas"][0]["address"]
+def test_grpc_api_of_a_replica_gives_the_same_answer_and_the_admin_api_is_off(server):
+    from ray import serve
+
+    address = serve.get_deployment_handle("ModelReplica0", APP_NAME).status.remote().result(timeout_s=30)["address"]
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE[0]["content"])]),
                                      sampling=pb.SamplingParams(max_tokens=16, temperature=0))
         text = "".join(r.text for r in stub.Generate(request, timeout=60))
+        with pytest.raises(grpc.RpcError) as err:   # no admin key configured: no admin method (issue 27)
+            stub.ReloadWeights(pb.ReloadWeightsRequest(), timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert text == chat(server).choices[0].message.content
+    for method, path in (("POST", "/admin/reload_weights"), ("GET", "/admin/status")):
+        status, _, raw = http(server.base + path, {} if method == "POST" else None)
+        assert status == 404 and json.loads(raw)["error"]["code"] == "not_found", (path, raw)
 
 
 def wait_all_blocks_free(server, timeout_s: float = 30) -> dict[str, float]:
