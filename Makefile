@@ -46,6 +46,7 @@ bench: install
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_qwen3_next.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/packed_accuracy.py
 	$(PY) benchmarks/profile_decode.py
 	$(PY) benchmarks/bench_serving.py

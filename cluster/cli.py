@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 
+from shardserve.cluster import generate_controls
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
@@ -567,7 +568,7 @@ def _generate(ns: argparse.Namespace) -> int:
         raise ValueError("--prompt must not be empty")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
-    params.validate()
+    generate_controls.apply_flags(ns, params).validate()
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
@@ -651,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
+    generate_controls.add_flags(gen)
     gen.set_defaults(func=_generate)
 
     grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C",

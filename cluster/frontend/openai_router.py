@@ -47,6 +47,7 @@ from shardserve.cluster.frontend.openai_protocol import (
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.frontend.structured import structured_to_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -376,6 +377,8 @@ class RouterCore:
                 sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
             if parsed.logprobs is not None:
                 sampling.logprobs = parsed.logprobs
+            if parsed.structured is not None:
+                sampling.structured_outputs.CopyFrom(structured_to_proto(parsed.structured))
             return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids),
                                       sampling=sampling, tenant=caller.tenant, cache_salt=parsed.cache_salt,
                                       group_id=request_id)
@@ -444,7 +447,8 @@ class RouterCore:
                 raise failure
             code = failure.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt")
+                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt",
+                                      parsed.structured_param)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise timed_out(self._timeout_message())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

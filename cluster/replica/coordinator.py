@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
 from shardserve.cluster.frontend.limits import TOKENIZER_THREADS, run_tokenizer
 from shardserve.cluster.frontend.security import FrontConfig, key_digest
+from shardserve.cluster.frontend.structured import GrammarCompiler
 from shardserve.cluster.replica.reload_guard import (
     SWAP_ALLOWANCE_S, ReloadRefused, allowed_root, checkpoint_under_root, cluster_reload_lock, lock_name)
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
@@ -38,6 +40,7 @@ from shardserve.workers.model_source import load_config, model_context_length, r
 
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -103,11 +106,12 @@ class Coordinator:
             from shardserve.cluster.engine.speculative import Speculator
 
             speculator = Speculator(self.drafter, args.speculative_tokens)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                               eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator,
-                               num_state_slots=self.group.num_state_slots)
+                               eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots,
+                               grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
         self.worker_restarts, self.weights_version = 0, 1
@@ -469,7 +473,11 @@ class Coordinator:
             raise ReplicaUnavailable("draining: this replica is being replaced; retry on another")
         self._admit(group)
         self._ensure_loop()
-        rid = self.core.add_request(prompt_ids, params, request_id, cache_seed=cache_seed)
+        compiled = None
+        if params.structured_outputs is not None:   # off the event loop (cached per constraint)
+            self.core.validate(prompt_ids, params)
+            compiled = await self._compile(params, deadline)
+        rid = self.core.add_request(prompt_ids, params, request_id, cache_seed=cache_seed, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         if group is not None:
@@ -500,6 +508,25 @@ class Coordinator:
                 self._group_calls[group] -= 1
                 if not self._group_calls[group]:
                     del self._group_calls[group]
+
+    async def _compile(self, params: SamplingParams, deadline: float | None):
+        """The request's compiled grammar, from the compile pool, within ``GRAMMAR_COMPILE_TIMEOUT_S``
+        (and the request's deadline).
+
+        Raises:
+            ValueError: it does not compile, or not in time (message starts ``structured_outputs:``).
+            DeadlineExceeded: the request's deadline passed first.
+        """
+        limit = GRAMMAR_COMPILE_TIMEOUT_S
+        if deadline is not None:
+            limit = min(limit, deadline - asyncio.get_running_loop().time())
+        try:
+            return await asyncio.wait_for(self.core.grammar_compiler.compile_async(params.structured_outputs), limit)
+        except TimeoutError:
+            if limit < GRAMMAR_COMPILE_TIMEOUT_S:
+                raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+            raise ValueError(f"structured_outputs: the constraint did not compile within "
+                             f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; simplify it") from None
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams) -> dict:
         """Whole completion (Ray-callable): ``{"token_ids", "text", "finish_reason", "logprobs"}``."""
@@ -543,6 +570,7 @@ class Coordinator:
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
             "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
+            "num_grammar_matchers": num_live_grammars(),
         }
 
     def placement(self) -> dict:
@@ -602,6 +630,7 @@ class Coordinator:
             await self._grpc.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self.core.grammar_compiler.shutdown()
         await asyncio.to_thread(self._stop_workers)
 
 

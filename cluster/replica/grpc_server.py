@@ -28,6 +28,7 @@ from shardserve.cluster.engine.block_manager import cache_seed
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.frontend.structured import structured_from_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -41,9 +42,17 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling fields -> :class:`SamplingParams` (unset optionals keep the defaults)."""
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        params.logit_bias = dict(msg.logit_bias)
+    params.bad_words = list(msg.bad_words)
+    if msg.allowed_token_ids:
+        params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import socket
 import time
 import urllib.error
@@ -386,3 +387,85 @@ def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_
     values = wait_all_blocks_free(server)
     assert values["shardserve_requests_in_flight"] == 0
     assert values["shardserve_time_to_first_token_seconds_count"] >= 32
+
+
+# -- structured outputs and sampling controls (issue 26) --------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "東京"]},
+                                         "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def grammar_matchers(server) -> list[int]:
+    """``num_grammar_matchers`` of every replica, over its own gRPC API."""
+    _, _, raw = http(server.base + "/health")
+    counts = []
+    for replica in json.loads(raw)["replicas"]:
+        with grpc.insecure_channel(replica["address"]) as channel:
+            counts.append(pb_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30).num_grammar_matchers)
+    return counts
+
+
+def test_structured_outputs_and_penalties_streamed_and_not_equal_the_engine(server, smollm2_llm, tokenizer):
+    import jsonschema
+
+    from shardserve.cluster.engine.request import StructuredOutputs
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    whole = chat(server, max_tokens=40, response_format=response_format).choices[0]
+    texts, reasons, _, _ = stream_chat(server, max_tokens=40, response_format=response_format)
+    assert whole.finish_reason == reasons[0] == "stop" and texts[0] == whole.message.content
+    jsonschema.validate(json.loads(whole.message.content), CITY)
+    sampled = chat(server, max_tokens=40, response_format=response_format, n=2, seed=3, temperature=0.9)
+    for choice in sampled.choices:   # n choices: one compile, one matcher each
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    (paris,) = tokenizer.encode(" Paris", add_special_tokens=False)
+    penalized = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(paris): -100})
+    regex = server.client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0,
+                                             extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    choice = chat(server, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "東京"]}})
+    free = chat(server, max_tokens=12, **penalized)
+    expected = smollm2_llm.generate([FRANCE, "My phone number is", FRANCE, FRANCE], [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs.json_schema(CITY)),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputs.regex(r"[0-9]{3}-[0-9]{4}")),
+        SamplingParams(max_tokens=16, temperature=0, structured_outputs=StructuredOutputs.choice(["Paris", "Lyon", "東京"])),
+        SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0, frequency_penalty=0.5,
+                       logit_bias={paris: -100})])
+    assert [whole.message.content, regex.choices[0].text, choice.choices[0].message.content,
+            free.choices[0].message.content] == [e.text for e in expected]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text) and choice.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra,param,fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format", 'does not compile: Unsupported type "objekt"'),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "the regex does not compile"),
+    ({"logit_bias": {"1000000": 5}}, "logit_bias", "outside the vocabulary [0, 49152)"),
+    ({"logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),
+    ({"allowed_token_ids": [49152]}, "allowed_token_ids", "outside the vocabulary"),
+])
+def test_bad_constraints_and_controls_are_400s_and_nothing_leaks(server, extra, param, fragment):
+    code, _, raw = http(server.base + "/v1/chat/completions", {"model": MODEL, "messages": FRANCE, **extra})
+    error = json.loads(raw)["error"]
+    assert code == 400 and error["param"] == param and fragment in error["message"], error
+    still = chat(server, max_tokens=8, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert still.choices[0].message.content in ("Paris", "Lyon")
+    wait_all_blocks_free(server)
+    assert grammar_matchers(server) == [0, 0]
+
+
+def test_a_client_leaving_a_constrained_stream_frees_its_blocks_and_matcher(server):
+    host, port = server.base.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": "Digits of pi:", "temperature": 0, "max_tokens": 300, "stream": True,
+            "structured_outputs": {"regex": "[0-9]{300}"}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(4):
+        assert resp.readline()
+    assert sum(grammar_matchers(server)) == 1   # the stream's, while it runs
+    conn.close()
+    wait_all_blocks_free(server, timeout_s=15)
+    assert grammar_matchers(server) == [0, 0]
