@@ -602,6 +602,10 @@ class Coordinator:
     def worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.group.rank_info]
 
+    def memory_plans(self) -> list[str]:
+        """Each rank's start-up memory plan (``workers/plan.py``; ``shardserve plan`` prints the same)."""
+        return [info["memory"]["plan"] for info in self.group.rank_info]
+
     async def start_grpc(self, port: int = 50051, host: str = "127.0.0.1") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
         node's IP when bound to all interfaces)."""
