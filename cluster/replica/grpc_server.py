@@ -33,6 +33,7 @@ from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
 from shardserve.cluster.frontend.structured import structured_from_proto
+from shardserve.cluster.replica.grpc_chat import chat_chars, chat_prompt, parsed_response
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -47,7 +48,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
     for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "min_tokens"):
+                  "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
     if msg.HasField("structured_outputs"):
@@ -59,10 +60,6 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
-
-
-def _chat(msg: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
 def _response(out) -> pb.GenerateResponse:
@@ -166,22 +163,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Who calls (the interceptor already refused unknown keys)."""
         return self.front.identify(_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
 
-    async def _prompt_ids(self, request) -> list[int]:
+    async def _prompt(self, request, params: SamplingParams) -> tuple[list[int], object]:
+        """Prompt ids, and the output chain when the request asks for parsing (else None); chats
+        are checked, rendered and tokenized on the tokenizer threads."""
         kind = request.WhichOneof("prompt")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
+        parsing = request.parsing if request.HasField("parsing") else None
         if kind == "chat":
-            chat = _chat(request.chat)
-            self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-            return await self.coordinator.encode_async(chat=chat)
+            self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+            return await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                       parsing, params)
+        if parsing is not None:
+            raise ValueError("parsing: needs a chat prompt (its template and tools tell how to read the answer)")
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
         self.limits.check_prompt_chars(len(request.text), "text")
-        return await self.coordinator.encode_async(text=request.text)
+        return await self.coordinator.encode_async(text=request.text), None
 
     async def _stream(self, request, caller: Caller, deadline: float | None):
-        """The coordinator's outputs for one ``GenerateRequest`` of ``caller`` (``Generate`` and
+        """The responses to one ``GenerateRequest`` of ``caller`` (``Generate`` and
         ``GenerateStream`` alike): the caller's request and token rates (direct callers only: the
         router's calls were counted at the router), prompt limits, the tenant's prefix-cache salt and
-        the request group (the router's only), the deadline (event-loop time), then the engine.
+        the request group (the router's only), the deadline (event-loop time), then the engine; the
+        output parsed (tool calls, reasoning) when the request asks for it.
 
         Raises:
             Exception: a request's error, mapped to its status by :func:`_status_of`.
@@ -190,8 +193,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
-            prompt_ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            prompt_ids, output = await self._prompt(request, params)
             if not caller.privileged:
                 charged = self.rates.charge_tokens(caller.key_id, len(prompt_ids) + (params.max_tokens or 0))
             tenant = request.tenant if caller.privileged else caller.tenant
@@ -200,16 +203,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                cache_seed=cache_seed(tenant, request.cache_salt), group=group)
             async for out in stream:
                 used = out.num_prompt_tokens + out.num_output_tokens
-                yield out
+                yield _response(out) if output is None else parsed_response(_response(out), output)
         finally:
             if charged:
                 self.rates.settle(caller.key_id, charged, used)
 
     async def Generate(self, request, context):
         try:
-            async for out in self._stream(request, self._caller(context),
-                                          _deadline(context, self.front.request_timeout)):
-                yield _response(out)
+            async for resp in self._stream(request, self._caller(context),
+                                           _deadline(context, self.front.request_timeout)):
+                yield resp
         except Exception as exc:  # noqa: BLE001 - mapped to its status, or re-raised (UNKNOWN)
             status = _status_of(exc)
             if status is None:
@@ -236,9 +239,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
             if request.WhichOneof("prompt") == "chat":
-                chat = _chat(request.chat)
-                self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-                ids = await self.coordinator.encode_async(chat=chat)
+                self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+                ids, _ = await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                             None, None)
             else:
                 self.limits.check_prompt_chars(len(request.text), "text")
                 ids = await self.coordinator.encode_async(text=request.text)
@@ -335,8 +338,8 @@ class StreamLink:
     async def _run(self, request: pb.GenerateRequest, deadline: float | None) -> None:
         rid = request.request_id
         try:
-            async for out in self.servicer._stream(request, self.caller, deadline):
-                self.responses.append(_response(out))
+            async for resp in self.servicer._stream(request, self.caller, deadline):
+                self.responses.append(resp)
                 self.ready.set()
         except asyncio.CancelledError:
             raise
