@@ -181,12 +181,13 @@ class CompiledForward:
         """Trace and compile now (start-up), on a 2-token step of one sequence in cache block 0 (and
         recurrent-state slot 0): both hold nothing yet, and a request zeroes a state slot when it
         gets it. Every TP rank calls this at the same time (the graph holds the all-reduces)."""
+        from shardserve.workers.activation import StepShape
         from shardserve.workers.forward_context import forward_context
-        from shardserve.workers.memory_profile import profile_batch
+        from shardserve.workers.memory_profile import step_batch
         from shardserve.workers.state_cache import SeqGroup, StateMetadata
         from shardserve.workers.step_inputs import DeviceStager, device_batch
 
-        input_ids, meta, _ = device_batch(profile_batch(2, 2, block_size, 1), DeviceStager(device))
+        input_ids, meta, _ = device_batch(step_batch(StepShape(2, 1, 2, 2, 1), block_size), DeviceStager(device))
         if getattr(model, "state_layers", list)():
             cu_seqlens = torch.tensor([0, 2], dtype=torch.int32, device=device)
             slots = torch.zeros(1, dtype=torch.int32, device=device)
