@@ -573,16 +573,17 @@ def _generate(ns: argparse.Namespace) -> int:
     from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import check_model
 
+    from shardserve.cluster.prompt_file import read_prompt
+
     # Everything that can be checked without the model is checked first (loading takes seconds).
-    if not ns.prompt:
-        raise ValueError("--prompt must not be empty")
+    text = read_prompt(ns.prompt, ns.prompt_file)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
     params.validate()
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
-    prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
+    prompt = [{"role": "user", "content": text}] if ns.chat else text
     if args.tensor_parallel_size > 1:
         completion = _generate_on_cluster(ns, args, prompt, params)
     else:
@@ -649,7 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)
     _engine_flags(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt text (required, not empty)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text (not empty; this or --prompt-file is required)")
+    source.add_argument("--prompt-file", metavar="FILE",
+                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")

@@ -161,7 +161,8 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     segments = None
     if query_start_loc is not None:
         bounds = query_start_loc.tolist()
-        segments = tuple((first, end, seq) for seq, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])))
+        segments = tuple((first, end, seq, min(width, length))
+                         for seq, (first, end, length) in enumerate(zip(bounds[:-1], bounds[1:], seq_lens.tolist())))
     return score_rows_ref(q, weights, k_cache, block_tables, token_seq, token_pos, width, segments, q_scale)
 
 
@@ -176,20 +177,25 @@ def _keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return dequantize_index_keys(rows, head_dim) if rows.dtype == torch.uint8 else rows.float()
 
 
+# The reference's score tiles ([rows, H, keys] and their weighted sum) hold a quarter of the
+# workspace each, beside the chunk's logits: at most 7 bytes per workspace element in all.
+_TILE_ELEMENTS = WORKSPACE_ELEMENTS // 4
+
+
 def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                    token_seq: torch.Tensor, token_pos: torch.Tensor, width: int,
-                   segments: tuple[tuple[int, int, int], ...] | None,
+                   segments: tuple[tuple[int, int, int, int], ...] | None,
                    q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of some query rows against key positions ``0..width-1`` of their sequences, walking
-    key tiles so that no temporary exceeds :data:`kernels.workspace.WORKSPACE_ELEMENTS` elements.
+    key tiles of a quarter of :data:`kernels.workspace.WORKSPACE_ELEMENTS` elements.
 
     Args:
         q, weights, k_cache, block_tables, q_scale: see :func:`indexer_scores_ref` (``R`` rows).
         token_seq, token_pos: ``[R]`` sequence and position of each row.
         width: logit columns.
-        segments: ``(first_row, end_row, seq)`` runs of rows sharing a sequence (their keys are
-            gathered once per tile), in step rows: the first run starts at row 0 of ``q``; None:
-            every row has its own sequence (decode), keys gathered per row.
+        segments: ``(first_row, end_row, seq, num_keys)`` runs of rows sharing a sequence (their
+            keys ``0..num_keys-1`` gathered once per tile), in step rows: the first run starts at
+            row 0 of ``q``; None: every row has its own sequence (decode), keys gathered per row.
 
     Returns:
         ``[R, width]`` float32, ``-inf`` after each row's position.
@@ -199,29 +205,29 @@ def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     cache_rows = k_cache.view(-1, k_cache.shape[-1])
     q = q.float() if q_scale is None else dequantize_index_queries(q, q_scale)    # exact: power-of-two scales
     weights = weights.float()
-    logits = torch.full((num_rows, width), float("-inf"), dtype=torch.float32, device=q.device)
-    per_row = max(num_heads, head_dim)
+    # Every column is written below or lies after its row's position (masked at the end).
+    logits = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
     if segments is None:                                               # decode: one sequence per row
-        tile = max(block_size, WORKSPACE_ELEMENTS // max(1, num_rows * per_row))
+        tile = max(block_size, _TILE_ELEMENTS // max(1, num_rows * max(num_heads, head_dim)))
         for lo in range(0, width, tile):
             pos = torch.arange(lo, min(lo + tile, width), device=q.device)
             slots = block_tables[token_seq[:, None], pos // block_size].long() * block_size + pos % block_size
             keys = _keys(cache_rows[slots], head_dim)                                       # [R, N, D]
-            scores = torch.relu(torch.einsum("rhd,rnd->rhn", q, keys))
+            scores = torch.einsum("rhd,rnd->rhn", q, keys).relu_()
             logits[:, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights, scores)
     else:
         base = segments[0][0] if segments else 0
-        for first, end, seq in segments:
+        for first, end, seq, num_keys in segments:
             if end == first:
                 continue
             rows = slice(first - base, end - base)
-            seq_width = min(width, int(token_pos[rows].max()) + 1)          # causal: no key after the last row
-            tile = max(block_size, WORKSPACE_ELEMENTS // max(1, (end - first) * per_row))
+            seq_width = min(width, num_keys)                                # causal: no key after the last row
+            tile = max(block_size, _TILE_ELEMENTS // max(1, (end - first) * num_heads))   # [rows, H, tile]
             for lo in range(0, seq_width, tile):
                 pos = torch.arange(lo, min(lo + tile, seq_width), device=q.device)
                 slots = block_tables[seq, pos // block_size].long() * block_size + pos % block_size
                 keys = _keys(cache_rows[slots], head_dim)                                   # [N, D]
-                scores = torch.relu(torch.einsum("rhd,nd->rhn", q[rows], keys))
+                scores = torch.einsum("rhd,nd->rhn", q[rows], keys).relu_()
                 logits[rows, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights[rows], scores)
     positions = torch.arange(width, device=q.device)
     return logits.masked_fill_(positions[None, :] > token_pos[:, None], float("-inf"))
@@ -320,4 +326,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         else:
             logits = score_rows_ref(*args, chunk.segments, scales)
         out[rows] = select_topk(logits, topk, sink)
+        del logits                        # before the next chunk's: one chunk of logits alive at a time
     return out

@@ -61,8 +61,11 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: to
     for start in range(0, num_tokens, rows_per_chunk):
         rows = slice(start, min(start + rows_per_chunk, num_tokens))
         topk = None if topk_indices is None else topk_indices[rows]
+        rows_width = width
+        if topk is None and query_start_loc is not None:     # prefill: no key after the chunk's last row
+            rows_width = min(width, int(token_pos[rows].max()) + 1)                # (decode reads nothing back)
         out[rows] = _attend_rows_ref(q_nope[rows], q_pe[rows], latent_cache, block_tables, token_seq[rows],
-                                     token_pos[rows], scale, topk, width, keys_per_tile)
+                                     token_pos[rows], scale, topk, rows_width, keys_per_tile)
     return out
 
 
@@ -74,8 +77,6 @@ def _attend_rows_ref(q_nope, q_pe, latent_cache, block_tables, token_seq, token_
     block_size = latent_cache.shape[1]
     cache_rows = latent_cache.view(-1, latent_cache.shape[-1])
     q_nope, q_pe = q_nope.float(), q_pe.float()
-    if topk is None:                                       # dense: no key after the chunk's last row
-        width = min(width, int(token_pos.max()) + 1) if token_pos.numel() else 0
     running_max = q_nope.new_full(q_nope.shape[:2], float("-inf"))              # [R, H]
     denom = q_nope.new_zeros(q_nope.shape[:2])                                  # [R, H]
     acc = torch.zeros_like(q_nope)                                              # [R, H, L]

@@ -27,9 +27,10 @@ class RowChunk:
     start: int                     # first packed row
     end: int                       # one past the last row
     width: int                     # key positions scored (max causal position of the rows + 1)
-    # (first_row, end_row, sequence) runs of rows of one sequence, absolute rows; None in decode
-    # steps, where row t is sequence t's last position (and its length is not known on the host).
-    segments: tuple[tuple[int, int, int], ...] | None
+    # (first_row, end_row, sequence, num_keys) runs of rows of one sequence, absolute rows, seeing
+    # keys 0..num_keys-1 at most; None in decode steps, where row t is sequence t's last position
+    # (and its length is not known on the host).
+    segments: tuple[tuple[int, int, int, int], ...] | None
 
 
 def _rows_that_fit(rows: int, width: int, first_pos: int, remaining: int, budget: int) -> int:
@@ -95,7 +96,7 @@ def plan_row_chunks(num_tokens: int, max_width: int, query_start: list[int] | No
                 else:
                     close(row)
                     continue
-            segments.append((row, row + count, seq))
+            segments.append((row, row + count, seq, pos + count))
             width = max(width, pos + count)
             row += count
             if row < end_row:

@@ -295,8 +295,9 @@ def test_row_chunks_cover_the_step_within_the_budget():
             rows = range(c.start, c.end)
             assert c.width == max(positions[r] for r in rows) + 1
             assert len(rows) * c.width <= budget or len(rows) == 1
-            assert [r for first, end, _ in c.segments for r in range(first, end)] == list(rows)
-            assert all(seq_of_row[r] == seq for first, end, seq in c.segments for r in range(first, end))
+            assert [r for first, end, _, _ in c.segments for r in range(first, end)] == list(rows)
+            assert all(seq_of_row[r] == seq for first, end, seq, _ in c.segments for r in range(first, end))
+            assert all(keys == positions[end - 1] + 1 for first, end, _, keys in c.segments)
     decode = plan_row_chunks(10, 300, budget=1000)
     assert [(c.start, c.end, c.width, c.segments) for c in decode] == [(0, 3, 300, None), (3, 6, 300, None),
                                                                       (6, 9, 300, None), (9, 10, 300, None)]
