@@ -1,6 +1,7 @@
 """``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
 API of one replica), ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas) and
-``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments).
+``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments) and
+``plan`` (each rank's memory, without loading the model: ``cluster/plan_cli.py``).
 
 Every flag's help names its default and unit. Bad arguments are one line on stderr and exit code
 2, found before anything is loaded. ``serve`` and ``serve-grpc`` keep Ray's worker logs out of
@@ -694,6 +695,14 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_flags(manifest_cmd)
     _manifest_flags(manifest_cmd)
     manifest_cmd.set_defaults(func=_manifest, host="0.0.0.0")
+
+    from shardserve.cluster.plan_cli import add_plan_flags, run_plan
+
+    plan_cmd = sub.add_parser("plan", help="print what each rank would hold and whether it fits (cluster/plan_cli.py)",
+                              formatter_class=_HelpFormatter)
+    _engine_flags(plan_cmd)
+    add_plan_flags(plan_cmd)
+    plan_cmd.set_defaults(func=lambda ns: run_plan(ns, _engine_args(ns)))
     return parser
 
 
