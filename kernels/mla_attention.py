@@ -55,9 +55,7 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: to
     capacity = block_tables.shape[1] * block_size
     width = topk_indices.shape[1] if topk_indices is not None else min(max_seq_len or capacity, capacity)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-    # Bounded temporaries: [rows, keys, L + R] gathered rows and [rows, H, keys] scores.
-    keys_per_tile = max(1, min(width, 256))
-    rows_per_chunk = max(1, WORKSPACE_ELEMENTS // (keys_per_tile * max(row_width, num_heads)))
+    rows_per_chunk, keys_per_tile = absorbed_ref_tiles(width, row_width, num_heads)
     for start in range(0, num_tokens, rows_per_chunk):
         rows = slice(start, min(start + rows_per_chunk, num_tokens))
         topk = None if topk_indices is None else topk_indices[rows]
@@ -67,6 +65,15 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: to
         out[rows] = _attend_rows_ref(q_nope[rows], q_pe[rows], latent_cache, block_tables, token_seq[rows],
                                      token_pos[rows], scale, topk, rows_width, keys_per_tile)
     return out
+
+
+def absorbed_ref_tiles(width: int, row_width: int, num_heads: int) -> tuple[int, int]:
+    """``(rows_per_chunk, keys_per_tile)`` of :func:`mla_attention_ref`: key tiles of up to 256 keys
+    and as many query rows as keep the ``[rows, keys, L + R]`` gathered rows and the ``[rows, H,
+    keys]`` scores within :data:`kernels.workspace.WORKSPACE_ELEMENTS` (also read by the plan's
+    activation reserve)."""
+    keys_per_tile = max(1, min(width, 256))
+    return max(1, WORKSPACE_ELEMENTS // (keys_per_tile * max(row_width, num_heads))), keys_per_tile
 
 
 def _attend_rows_ref(q_nope, q_pe, latent_cache, block_tables, token_seq, token_pos, scale, topk, width,

@@ -31,6 +31,13 @@ def expanded_is_cheaper(query_len: int, kv_lora_rank: int, nope_dim: int, rope_d
     return expanded < query_len * (2 * kv_lora_rank + rope_dim)
 
 
+def expanded_chunk_keys(num_seqs: int, num_heads: int, kv_dim: int, row_width: int, block_size: int,
+                        budget: int = WORKSPACE_ELEMENTS) -> int:
+    """Key positions per chunk of :func:`mla_prefill_dense`: the expanded ``[B, C, H, nope + v]``
+    and the gathered ``[B, C, L + R]`` stay within ``budget`` elements (at least one block)."""
+    return max(block_size, budget // max(1, num_seqs * max(num_heads * kv_dim, row_width)))
+
+
 def mla_prefill_dense(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       w_kv: torch.Tensor, scale: float, *, query_start_host: list[int], seq_lens_host: list[int],
@@ -62,7 +69,7 @@ def mla_prefill_dense(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: to
     assert w_kv.shape[0] == num_heads and row_width == kv_lora_rank + q_pe.shape[-1], \
         f"w_kv {tuple(w_kv.shape)} / latent rows {row_width} vs q {tuple(q_nope.shape)} + {tuple(q_pe.shape)}"
     num_seqs, max_len = len(seq_lens_host), max(seq_lens_host, default=0)
-    chunk = max(block_size, budget // max(1, num_seqs * max(num_heads * kv_dim, row_width)))
+    chunk = expanded_chunk_keys(num_seqs, num_heads, kv_dim, row_width, block_size, budget)
     weight = w_kv.reshape(num_heads * kv_dim, kv_lora_rank)
     cache_rows = latent_cache.view(-1, row_width)
     state = PrefillState.empty(num_tokens, num_heads, kv_dim - nope_dim, q_nope.device)
