@@ -6,6 +6,7 @@ prefix-cache hit."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from long_prompts import greedy_matches_transformers, prompts, record_prefill_forms  # noqa: E402
+from test_model_kernels import count_calls  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 # Modules whose dispatch is forced to Triton, and the launcher each must reach.
@@ -38,20 +40,9 @@ def checkpoint(tmp_path_factory):
 
 def force_triton(monkeypatch) -> Counter:
     """Route the long-context ops to Triton and count their launcher calls."""
-    import importlib
-
-    calls: Counter = Counter()
-    for module, (triton_module, launcher) in TRITON_MODULES.items():
+    for module in TRITON_MODULES:
         monkeypatch.setattr(importlib.import_module(f"shardserve.kernels.{module}"), "use_triton", lambda _: True)
-        target = importlib.import_module(f"shardserve.kernels.{triton_module}")
-        original = getattr(target, launcher)
-
-        def counted(*args, _original=original, _name=launcher, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(target, launcher, counted)
-    return calls
+    return count_calls(monkeypatch, list(TRITON_MODULES.values()))
 
 
 # The interpreter is slow: one case per architecture. V3.2 in 32-token steps (sparse chunks over a
