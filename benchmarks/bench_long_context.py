@@ -10,6 +10,10 @@ between consecutive contexts (1 = linear, 0 = flat, 2 = quadratic):
   and one decode step of ``--decode-batch`` sequences at context S, with DSA (sparse) and without
   (dense MLA: absorbed below 171 queries per sequence, expanded at or above). Peak memory is what
   the step allocates beyond the caches (CUDA: allocator peak; CPU: resident-set peak).
+``short``: contexts within top-k, where DSA keeps every key and the dense path runs instead:
+  dense vs sparse-over-every-key attention on the same inputs (is the fallback faster?). On CPU
+  (float32, torch references) sparse over every key measured 3.4x the dense time at 256 tokens
+  and 11x at 1,024, so the dense fallback stays.
 ``tiny``: the issue's setup, a tiny DeepSeek-V3.2 checkpoint (2 layers, index_topk 8) with a
   65,536-position RoPE table through the single-process engine (2,048-token steps, float32): a
   whole prompt of S tokens, prefill seconds and peak memory, DSA vs ``--no-dsa``. The issue
@@ -167,6 +171,32 @@ def run_layer(args, device: torch.device, dtype: torch.dtype) -> None:
             torch.cuda.empty_cache()
 
 
+@torch.inference_mode()
+def run_short(args, device: torch.device, dtype: torch.dtype) -> None:
+    """Contexts within top-k (every key selected): the dense prefill DSA falls back to (absorbed
+    under 171 queries per sequence, expanded from there) against the sparse form over a top-k list
+    holding every causal key, on the same queries and cache (attention only, without projections)."""
+    print(f"\nwithin top-k: one-shot prompt of C tokens, attention only (V3.2 layer slice, {dtype}, {device})")
+    print(f"{'context':>8} {'dense s':>9} {'sparse s':>9} {'sparse/dense':>13}")
+    meter = Meter(device)
+    layer = build_layer(False, max(args.short_contexts) + 8, dtype, device)
+    tables = attach_caches(layer, max(args.short_contexts), 1, dtype, device)
+    for context in args.short_contexts:
+        meta = metadata(tables[:1], [context], [context], device)
+        batch = PagedBatch.build(meta, BLOCK)
+        heads, nope, rope = layer.num_heads, layer.nope_dim, layer.rope_dim
+        q_nope = torch.randn(context, heads, nope, dtype=dtype, device=device)
+        q_pe = torch.randn(context, heads, rope, dtype=dtype, device=device)
+        positions = torch.arange(context, device=device)
+        every_key = torch.where(positions[None, :] <= positions[:, None], positions[None, :], -1).to(torch.int32)
+        times = []
+        for topk in (None, every_key):
+            if device.type == "cuda":
+                layer._prefill(q_nope, q_pe, meta, batch, topk)                          # warm-up (Triton compiles)
+            times.append(meter(lambda: layer._prefill(q_nope, q_pe, meta, batch, topk))[0])
+        print(f"{context:>8} {times[0]:>9.3f} {times[1]:>9.3f} {times[1] / times[0]:>13.2f}")
+
+
 def run_tiny(args) -> None:
     from tiny_checkpoints import write_tiny_checkpoint
 
@@ -197,22 +227,29 @@ def run_tiny(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["layer", "tiny", "all"], default="all")
+    parser.add_argument("--part", choices=["layer", "short", "tiny", "all"], default="all")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--contexts", default=None,
                         help="layer contexts in tokens (default: 1024,4096,16384,65536; with cuda also 131072)")
     parser.add_argument("--chunk", type=int, default=None, help="prefill step tokens (default: 2048 cuda, 64 cpu)")
     parser.add_argument("--decode-batch", type=int, default=1, help="sequences per decode step")
     parser.add_argument("--tiny-contexts", default="1024,4096,16384", help="tiny-model prompt lengths in tokens")
+    parser.add_argument("--short-contexts", default=None,
+                        help="contexts within DSA's top-k (2048) for the dense-vs-sparse comparison "
+                             "(default: 256,1024; with cuda also 2048)")
     args = parser.parse_args()
     device = torch.device(args.device)
     default = "1024,4096,16384,65536" + (",131072" if device.type == "cuda" else "")
     args.contexts = [int(c) for c in (args.contexts or default).split(",")]
     args.tiny_contexts = [int(c) for c in args.tiny_contexts.split(",")]
+    short = "256,1024" + (",2048" if device.type == "cuda" else "")
+    args.short_contexts = [int(c) for c in (args.short_contexts or short).split(",")]
     args.chunk = args.chunk or (2048 if device.type == "cuda" else 64)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.part in ("layer", "all"):
         run_layer(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.part in ("short", "all"):
+        run_short(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.part in ("tiny", "all"):
         run_tiny(args)
 
