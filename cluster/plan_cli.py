@@ -107,7 +107,7 @@ def _cuda_kernels() -> bool:
 
 def _table(plan) -> str:
     """Ranks as columns (identical ranks share one), quantities as rows."""
-    from shardserve.workers.device import gib
+    from shardserve.workers.plan import size_text as gib
 
     groups: list[tuple[list[int], object]] = []
     for rank in plan.ranks:

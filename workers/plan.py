@@ -183,14 +183,14 @@ class RankPlan:
 
     def summary(self) -> str:
         """One line: what the rank holds and what fits (logged by ``serve``, printed by ``plan``)."""
-        dtypes = ", ".join(f"{name} {gib(size)}" for name, size in sorted(self.weight_bytes_by_dtype.items()))
-        return (f"rank {self.rank} ({self.device}, {gib(self.capacity)} usable of {gib(self.device_bytes)}): weights "
-                f"{gib(self.weight_bytes)} ({dtypes}), buffers {gib(self.buffer_bytes)}, draft "
-                f"{gib(self.draft_weight_bytes)}; KV {self.kv_bytes_per_token} + indexer "
+        dtypes = ", ".join(f"{name} {size_text(size)}" for name, size in sorted(self.weight_bytes_by_dtype.items()))
+        return (f"rank {self.rank} ({self.device}, {size_text(self.capacity)} usable of {size_text(self.device_bytes)}): "
+                f"weights {size_text(self.weight_bytes)} ({dtypes}), buffers {size_text(self.buffer_bytes)}, draft "
+                f"{size_text(self.draft_weight_bytes)}; KV {self.kv_bytes_per_token} + indexer "
                 f"{self.indexer_bytes_per_token} + draft {self.draft_bytes_per_token} bytes/token; activations "
-                f"{gib(self.activation_bytes)}, graphs {gib(self.graph_bytes)}, outside torch "
-                f"{gib(self.overhead_bytes)}, state pool {gib(self.state_bytes)}; KV budget "
-                f"{gib(self.kv_budget_bytes)} = {self.kv_blocks} blocks = {self.kv_tokens} tokens = "
+                f"{size_text(self.activation_bytes)}, graphs {size_text(self.graph_bytes)}, outside torch "
+                f"{size_text(self.overhead_bytes)}, state pool {size_text(self.state_bytes)}; KV budget "
+                f"{size_text(self.kv_budget_bytes)} = {self.kv_blocks} blocks = {self.kv_tokens} tokens = "
                 f"{self.max_concurrent_seqs} sequences of {self.max_model_len}")
 
     def to_dict(self) -> dict:
@@ -202,6 +202,11 @@ class RankPlan:
                    latent_kv_bytes_per_token=self.kv_bytes_per_token, kv_tokens=self.kv_tokens,
                    max_concurrent_seqs=self.max_concurrent_seqs, summary=self.summary())
         return out
+
+
+def size_text(num_bytes: int) -> str:
+    """``num_bytes`` in GiB from 1 GiB up, else in MiB (two decimals): tiny models stay readable."""
+    return gib(num_bytes) if abs(num_bytes) >= GIB else f"{num_bytes / 2**20:.2f} MiB"
 
 
 def cache_bytes(layers, num_blocks: int, block_size: int) -> int:

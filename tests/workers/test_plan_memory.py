@@ -108,6 +108,9 @@ def test_plan_of_packed_gguf_and_tensor_parallel_ranks(tiny_gguf, checkpoints): 
                                       weight_format=fmt)
     assert planned == weight_bytes_by_format(model) and set(planned) == {"int4", "int8", "bfloat16"}
     assert sum(planned.values()) == weight_bytes
+    with StorageTracker(staging=STAGING) as tracker:   # the GGUF path dequantized (a GPU rank's): no transient
+        _, weight_bytes = build_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16, progress=False)
+    assert tracker.peak == weight_bytes
     path = checkpoints("deepseek_v32")
     hf_config = load_config(ModelFiles(path.name, path))
     plan_config = PlanConfig(tensor_parallel_size=2, device="cpu", kv_cache_bytes=1 << 20, block_size=BLOCK,
@@ -154,9 +157,9 @@ def test_serve_logs_the_plan_that_plan_prints(checkpoints, caplog, capsys):
     logged = [r.getMessage().removeprefix("plan: ") for r in caplog.records if r.getMessage().startswith("plan: ")]
     assert main(["plan", str(path), *args, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["ranks"][0]["summary"]
-    usable = re.compile(r"\(cpu, [0-9.]+ GiB usable of [0-9.]+ GiB\)")
+    usable = re.compile(r"\(cpu, [0-9.]+ [GM]iB usable of [0-9.]+ [GM]iB\)")
     assert len(logged) == 1 and usable.sub("", logged[0]) == usable.sub("", printed), (logged, printed)
-    assert "KV budget 0.00 GiB = " in printed and "bytes/token" in printed
+    assert "KV budget 4.10 MiB = " in printed and "bytes/token" in printed
     assert main(["plan", str(path), *args]) == 0   # the table: every quantity a row, ranks as columns
     table = capsys.readouterr().out
     for label in ("weights", "bfloat16", "float32", "KV bytes/token", "indexer bytes/token", "draft bytes/token",
