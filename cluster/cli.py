@@ -655,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=_HelpFormatter)
     _engine_flags(gen)
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="the prompt text (not empty; this or --prompt-file is required)")
+    source.add_argument("--prompt", help="the prompt text, not empty (default: none; this or --prompt-file is required)")
     source.add_argument("--prompt-file", metavar="FILE",
-                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input")
+                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input "
+                             "(default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
