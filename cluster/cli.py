@@ -564,9 +564,10 @@ def _generate(ns: argparse.Namespace) -> int:
     from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import check_model
 
+    from shardserve.cluster.prompt_file import read_prompt
+
     # Everything that can be checked without the model is checked first (loading takes seconds).
-    if not ns.prompt:
-        raise ValueError("--prompt must not be empty")
+    ns.prompt = read_prompt(ns.prompt, ns.prompt_file)   # the agent flags read it too
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
     generate_controls.apply_flags(ns, params).validate()
@@ -653,7 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)
     _engine_flags(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt text (required, not empty)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text, not empty (default: none; this or --prompt-file is required)")
+    source.add_argument("--prompt-file", metavar="FILE",
+                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input "
+                             "(default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
