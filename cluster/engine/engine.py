@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from shardserve.cluster.engine.block_manager import BlockManager
 from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
-from shardserve.cluster.engine.request import Logprob, Request, RequestStatus, SamplingParams
+from shardserve.cluster.engine.request import Logprob, Request, RequestStatus, SamplingParams, SpecUsage
 from shardserve.cluster.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
@@ -44,6 +45,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    spec_decode: SpecUsage | None = None     # the request's speculative decoding so far (speculation on)
 
 
 @dataclass(slots=True)
@@ -136,8 +138,9 @@ class EngineCore:
     def schedule(self) -> ScheduledBatch:
         """This step's plan (empty ``plan.scheduled`` when there is nothing to run)."""
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            batch.plan.return_hidden = True   # the MTP needs h_t of every computed position
+        if self.speculator is not None and batch.plan.scheduled:
+            # the MTP needs h_t of every computed position, unless its policy skips the next pass
+            batch.plan.return_hidden = self.speculator.wants_hidden(batch)
         return batch
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
@@ -164,12 +167,14 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute (blocking), update; with a speculator, then draft the next tokens."""
+        started = time.perf_counter()
         batch = self.schedule()
         if not batch.plan.scheduled:
             return []
         result = self.executor.execute(batch.plan)
         outputs = self.update(batch, result)
         if self.speculator is not None:
+            self.speculator.observe_step(batch, time.perf_counter() - started)
             self.speculator.propose(self, batch, result)
         return outputs
 
@@ -197,7 +202,7 @@ class EngineCore:
         return RequestOutput(
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
-            request.num_prompt_tokens, request.num_output_tokens)
+            request.num_prompt_tokens, request.num_output_tokens, spec_decode=request.spec)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params
