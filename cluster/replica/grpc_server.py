@@ -51,7 +51,17 @@ def _response(out) -> pb.GenerateResponse:
                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                   for lp in out.new_logprobs],
         finish_reason=out.finish_reason or "",
-        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens))
+        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                       spec_decode=_spec_usage(out.spec_decode)))
+
+
+def _spec_usage(spec) -> pb.SpecDecodeUsage | None:
+    """A request's :class:`cluster.engine.request.SpecUsage` as the proto message (None: speculation off)."""
+    if spec is None:
+        return None
+    return pb.SpecDecodeUsage(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                              num_accepted_tokens=spec.num_accepted_tokens,
+                              acceptance_length=spec.acceptance_length)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
