@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.workers.messages import SampledToken, SamplingOptions, ScheduledRequest
+from shardserve.workers.messages import SampledToken, SamplingOptions
 
 _GREEDY_EPS = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant; spreads (seed, index) over the 63-bit seed space
@@ -72,12 +72,6 @@ def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
                                torch.tensor([o.top_p for o in options], device=device),
                                torch.tensor([o.min_p for o in options], device=device))
     return scaled.softmax(dim=-1)
-
-
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs [V]`` (unnormalized is fine) by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],

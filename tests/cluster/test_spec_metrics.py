@@ -48,3 +48,20 @@ def test_spec_counters_per_replica():
     text = stats.prometheus_text("m")
     assert "shardserve_spec_drafts_total 4.0" in text
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0' in text
+
+
+def test_usage_carries_each_requests_acceptance():
+    """OpenAI ``usage.spec_decode`` (extension field): the choices' counters summed, their acceptance
+    length (tokens per verifying step); absent when the replica does not speculate."""
+    from shardserve.cluster.frontend.openai_protocol import Choice, usage
+
+    first = Choice(0, spec_decode=pb.SpecDecodeUsage(num_drafts=4, num_draft_tokens=8, num_accepted_tokens=5,
+                                                     acceptance_length=2.25))
+    second = Choice(1, spec_decode=pb.SpecDecodeUsage(num_drafts=2, num_draft_tokens=4, num_accepted_tokens=1,
+                                                      acceptance_length=1.5))
+    body = usage(10, 30, [first, second])
+    assert body["spec_decode"] == {"num_drafts": 6, "num_draft_tokens": 12, "num_accepted_tokens": 6,
+                                   "acceptance_length": 2.0}
+    assert body["total_tokens"] == 40
+    assert usage(3, 2, [Choice(0, spec_decode=pb.SpecDecodeUsage())])["spec_decode"]["acceptance_length"] is None
+    assert "spec_decode" not in usage(3, 2, [Choice(0)])
