@@ -137,18 +137,22 @@ def verification_noise(options: list[SamplingOptions], output_indices: list[int]
 
 
 def verify_step(logits: torch.Tensor, sampling: list[ScheduledRequest], options: list[SamplingOptions],
-                draft_probs: torch.Tensor | None, generator: torch.Generator | None = None) -> list[list[SampledToken]]:
+                draft_probs: torch.Tensor | None, generator: torch.Generator | None = None,
+                logprob_logits: torch.Tensor | None = None) -> list[list[SampledToken]]:
     """Rank 0's verification of the requests of a step that verify drafts.
 
     Args:
         logits: ``[sum(1 + num_spec_tokens), V]`` float32: per request, its ``num_spec_tokens + 1``
-            last rows in order (raw logits; the filters of each request's options apply here).
+            last rows in order (after grammar masks and penalties; the filters of each request's
+            options apply here).
         sampling: the requests (``num_spec_tokens >= 1`` each; ``draft_probs_row`` names their row
             of ``draft_probs`` when sampled).
         options: their sampling settings.
         draft_probs: ``[rows, K_max, V]`` float32, the draft worker's ``q`` buffer (None when every
             request is greedy).
         generator: noise for unseeded requests.
+        logprob_logits: the raw model logits, same shape as ``logits``, whose logprobs are
+            reported (default: ``logits``).
 
     Returns:
         Per request, in order, a list: its accepted drafts and then the bonus or corrected token
@@ -187,25 +191,29 @@ def verify_step(logits: torch.Tensor, sampling: list[ScheduledRequest], options:
                                         torch.tensor(greedy_rows, device=device), uniform, noise)
     host = torch.cat((tokens, num_emitted[:, None]), dim=1).tolist()                 # the step's one read-back
     out: list[list[SampledToken]] = []
+    raw = None
     for i, (sched, option) in enumerate(zip(sampling, options)):
         emitted = host[i][:host[i][-1]]
-        logprobs = (padded[i, :len(emitted)].log_softmax(dim=-1) if option.logprobs is not None
-                    else logits.new_empty(0))
+        if option.logprobs is not None and raw is None:
+            raw = padded if logprob_logits is None else logprob_logits[index]
+        logprobs = raw[i, :len(emitted)].log_softmax(dim=-1) if option.logprobs is not None else logits.new_empty(0)
         out.append(sampled_tokens([sched.req_id] * len(emitted), emitted, logprobs, [option] * len(emitted)))
     return out
 
 
 def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], options: list[SamplingOptions],
-                       draft_probs: torch.Tensor | None, generator: torch.Generator | None = None) -> list[SampledToken]:
+                       draft_probs: torch.Tensor | None, generator: torch.Generator | None = None,
+                       logprob_logits: torch.Tensor | None = None) -> list[SampledToken]:
     """Rank 0's sampling for a step in which some requests verify drafts: plain requests through
     ``workers/sampler.py``'s :func:`sample`, the others through :func:`verify_step`.
 
     Args:
         logits: ``[sum(1 + num_spec_tokens), V]`` float32: per sampling request, its
-            ``num_spec_tokens + 1`` last rows in order.
+            ``num_spec_tokens + 1`` last rows in order (after grammar masks and penalties).
         sampling: the plan's sampling requests. options: their settings.
         draft_probs: the draft worker's ``q`` buffer ``[rows, K_max, V]`` (None: every request greedy).
         generator: noise for unseeded requests.
+        logprob_logits: the raw model logits, same shape, whose logprobs are reported (default: ``logits``).
 
     Returns:
         Per request, in order: its accepted drafts and then one sampled token (plain requests: one).
@@ -221,15 +229,17 @@ def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], o
         row += 1 + sched.num_spec_tokens
     assert row == logits.shape[0], f"{logits.shape[0]} logit rows, expected {row}"
     per_request: list[list[SampledToken]] = [[] for _ in sampling]
+    raw = logits if logprob_logits is None else logprob_logits
     if plain:
         opts = [options[i] for i in plain]
-        tokens, logprobs = sample(logits[torch.tensor(plain_rows, device=logits.device)], opts,
-                                  [sampling[i].output_index for i in plain], generator)
+        index = torch.tensor(plain_rows, device=logits.device)
+        tokens, logprobs = sample(logits[index], opts, [sampling[i].output_index for i in plain], generator, raw[index])
         for i, out in zip(plain, sampled_tokens([sampling[i].req_id for i in plain], tokens, logprobs, opts)):
             per_request[i] = [out]
     if spec:
-        verified = verify_step(logits[torch.tensor(spec_rows, device=logits.device)], [sampling[i] for i in spec],
-                               [options[i] for i in spec], draft_probs, generator)
+        index = torch.tensor(spec_rows, device=logits.device)
+        verified = verify_step(logits[index], [sampling[i] for i in spec], [options[i] for i in spec], draft_probs,
+                               generator, None if logprob_logits is None else logprob_logits[index])
         for i, tokens in zip(spec, verified):
             per_request[i] = tokens
     return [token for tokens in per_request for token in tokens]

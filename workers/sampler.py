@@ -75,14 +75,16 @@ def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
 
 
 def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-           generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+           generator: torch.Generator | None = None, logprob_logits: torch.Tensor | None = None,
+           ) -> tuple[list[int], torch.Tensor]:
     """Draw one token per row.
 
     Args:
-        logits: ``[N, V]`` float32 raw model logits.
+        logits: ``[N, V]`` float32 model logits (after grammar masks and penalties, if any).
         options: per-row sampling options.
         output_indices: per-row index of the output token being drawn (seeded streams).
         generator: source of noise for unseeded rows (None: torch's default).
+        logprob_logits: ``[N, V]`` the raw logits whose logprobs are reported (default: ``logits``).
 
     Returns:
         ``(token ids, log_softmax of the raw logits [N, V] or an empty tensor if no row asked)``.
@@ -104,7 +106,8 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices:
                 noise[row].exponential_(generator=seeded_generator(o.seed, output_indices[i], device=logits.device))
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want_logprobs = any(o.logprobs is not None for o in options)
-    logprobs = logits.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
+    raw = logits if logprob_logits is None else logprob_logits
+    logprobs = raw.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
     assert tokens.shape[0] == num_rows
     return tokens.tolist(), logprobs
 
@@ -136,5 +139,3 @@ def sampled_tokens(req_ids: list[str], tokens: list[int], logprobs: torch.Tensor
         i, count = slot[row], opt.logprobs
         out.append(SampledToken(req_id, token, chosen[i], list(zip(top_ids[i][:count], top_values[i][:count]))))
     return out
-
-
