@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardserve.workers.messages import SamplingOptions, ScheduledRequest
-from shardserve.workers.rejection_sampler import accept_drafts, draft_sample, verify_step
+from shardserve.workers.rejection_sampler import accept_drafts, draft_sample, sample_with_drafts, verify_step
 from shardserve.workers.sampler import sample, sampling_probs
 from spec_helpers import chi_square_p, two_sample_p
 
@@ -142,3 +142,20 @@ def test_greedy_verification_keeps_longest_matching_prefix():
     tokens, emitted = accept_drafts(best, None, drafts, torch.tensor([1, 2, 0]), None, torch.ones(3, dtype=torch.bool),
                                     torch.rand(3, 3), torch.ones(3, VOCAB))
     assert [row[:n] for row, n in zip(tokens.tolist(), emitted.tolist())] == [[3, 1], [3, 1], [3]]
+
+
+def test_verification_uses_processed_logits_and_logprobs_the_raw_ones():
+    """A plain request and a greedy one verifying 2 drafts in one step: tokens follow the processed
+    (masked / penalized) logits, the reported logprobs are the raw logits' log-softmax."""
+    raw = torch.tensor([[0.0, 5.0, 1.0, 2.0, 3.0]] * 4)
+    processed = raw.clone()
+    processed[:, 1] = float("-inf")                    # the grammar forbids token 1 everywhere
+    sampling = [ScheduledRequest("plain", [2], 3, [], True, 0),
+                ScheduledRequest("spec", [2, 4, 4], 3, [], True, 0, num_spec_tokens=2)]
+    options = [SamplingOptions(temperature=0.0, logprobs=1)] * 2
+    out = sample_with_drafts(processed, sampling, options, None, logprob_logits=raw)
+    raw_logprobs = raw[0].log_softmax(-1)
+    assert [(t.req_id, t.token_id) for t in out] == [("plain", 4), ("spec", 4), ("spec", 4), ("spec", 4)]
+    for token in out:
+        assert token.logprob == pytest.approx(raw_logprobs[4].item())
+        assert token.top_logprobs[0][0] == 1 and token.top_logprobs[0][1] == pytest.approx(raw_logprobs[1].item())
