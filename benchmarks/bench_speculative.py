@@ -20,7 +20,7 @@ acceptance is near zero there and the adaptive policy should draft (almost) noth
 (e.g. ``~/.cache/shardserve/shakespeare-dsa-mtp``, see ``benchmarks/bench_demo.py``) measures a
 real one. Greedy output is checked equal to k = 0's in every row (``same``). Numbers on a machine
 other processes load are noisy: compare ratios within one run.
-Not a test: ``python benchmarks/bench_speculative.py [--model PATH] [--batch 1 8 32]``.
+Not a test: ``python benchmarks/bench_speculative.py [--model PATH] [--batch 1 8 32] [--configs k=3 adaptive]``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--configs", nargs="+", default=[name for name, _, _ in CONFIGS],
+                        choices=[name for name, _, _ in CONFIGS], help="configurations to run (k=0 always runs, first)")
     args = parser.parse_args()
+    configs = [c for c in CONFIGS if c[0] == "k=0" or c[0] in args.configs]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
@@ -153,7 +156,7 @@ def main() -> None:
             vocab = 120 if not args.model else 1000
             for batch in args.batch:
                 prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
-                rows = measure(path, prompts, args.new_tokens, args.repeats)
+                rows = measure(path, prompts, args.new_tokens, args.repeats, configs)
                 print_table(f"{name}, batch {batch}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens "
                             f"(greedy), median of {args.repeats}", rows)
 
