@@ -23,7 +23,10 @@ Cost (seconds, fitted online by least squares with exponential forgetting):
 
 Each step the policy compares staying plain with drafting at every depth ``1..K`` (per request
 the depth is cut where ``prod c_i`` falls below what a draft token costs at the plain rate) and
-keeps the best expected rate. Plain steps skip the draft model entirely ("cold": the MTP cache then
+keeps the best expected rate; drafting must beat the plain rate by 5 % (a misjudged cost must not
+make decoding slower), and while it drafts, one step in 33 stays plain (the draft cache kept warm)
+so that ``T(B)`` is measured again: the plain rate is what drafting is compared with, and an early
+slow plain step would otherwise make drafting look better for good. Plain steps skip the draft model entirely ("cold": the MTP cache then
 misses those positions, which only weakens later drafts) unless drafting is within 10 % of the plain
 rate, when the draft keeps its cache warm for a switch. Costs that were never measured make the
 policy try drafting at depth 1 for a step (exploration): first while it warms up, then again after
@@ -38,6 +41,8 @@ MIN_OBSERVATIONS = 3         # measurements of a cost term before the policy tru
 PRIOR_STRENGTH = 4.0         # pseudo-trials of the pooled acceptance in a request's estimate
 POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates follow recent traffic
 WARM_MARGIN = 0.9            # stay warm while drafting's estimate reaches this share of the plain rate
+DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
+PLAIN_RECHECK = 32           # drafting steps between two warm plain steps that re-measure T(B)
 MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
 
 
@@ -144,6 +149,7 @@ class AdaptivePolicy(FixedPolicy):
         self.requests: dict[str, _Acceptance] = {}
         self.warm = True                                # the last decision keeps the draft cache filled
         self.cold_steps = 0
+        self.drafting_steps = 0                         # since the last plain step
         self.probe_interval = 64
         self.seen_batches: set[int] = set()             # batch-size buckets with a measured drafting step
 
@@ -214,7 +220,7 @@ class AdaptivePolicy(FixedPolicy):
         plain_rate = num_seqs / plain_s
         per_token = max(self.verify.w[1] + self.draft.w[2], 0.0)                       # one more draft token
         floor = per_token * plain_rate                                                 # tokens it must bring
-        best_rate, best = plain_rate, [0] * num_seqs
+        best_rate, best = DRAFT_MARGIN * plain_rate, [0] * num_seqs
         for depth in range(1, self.max_depth + 1):
             choice = [_cut(r, depth, floor) for r in reach]
             if not any(choice):
@@ -228,6 +234,12 @@ class AdaptivePolicy(FixedPolicy):
         self.cold_steps = 0 if self.warm else self.cold_steps + 1
         if any(best):                                        # drafting pays again: probe soon after it stops
             self.probe_interval = 64
+            self.drafting_steps += 1
+            if self.drafting_steps > PLAIN_RECHECK:          # a warm plain step keeps T(B) current
+                self.drafting_steps = 0
+                return [0] * num_seqs
+        else:
+            self.drafting_steps = 0
         return best
 
     def _rate(self, choice: list[int], reach: list[list[float]], num_seqs: int, plain_s: float) -> float:

@@ -74,7 +74,7 @@ def test_linear_fit_recovers_a_line():
 def test_adaptive_reaches_the_best_fixed_depth(case):
     """Against every fixed depth 0..4 on the same simulated engine: the adaptive policy's rate is
     within 10 % of the best one's (it pays for its exploration), and its late choices are that depth
-    (or a neighbour: two depths can be nearly equal)."""
+    (or a neighbour: two depths can be nearly equal), but for one plain step in 33 while drafting."""
     sim = {"batch 1, good acceptance": Simulation([[0.8, 0.7, 0.6, 0.5]]),
            "batch 32, compute-bound": Simulation([[0.6, 0.4, 0.3, 0.2]] * 32, b=0.002, v=0.002, d=(0.0005, 0.0008,
                                                                                               0.002, 0.0004)),
@@ -85,15 +85,35 @@ def test_adaptive_reaches_the_best_fixed_depth(case):
     print(f"{case}: best fixed depth {best_depth} at {best_rate:.0f} tok/s; adaptive {tokens / seconds:.0f} tok/s, "
           f"late depths {sorted(set(late))}")
     assert tokens / seconds > 0.9 * best_rate
-    assert all(abs(depth - best_depth) <= 1 for depth in late)
+    rechecks = late.count(0) if best_depth >= 2 else 0
+    assert rechecks <= 100 // 33 + 1 and (best_depth < 2 or rechecks >= 1)
+    assert all(abs(depth - best_depth) <= 1 for depth in late if depth or best_depth < 2)
 
 
 def test_requests_with_poor_acceptance_are_not_drafted():
     """Two good requests and two hopeless ones in one batch: only the good ones draft."""
     sim = Simulation([[0.9] * 4, [0.9] * 4, [0.0] * 4, [0.0] * 4])
     _, _, history = sim.run(AdaptivePolicy(4), 300)
-    late = history[-50:]
-    assert all(depths[0] > 0 and depths[1] > 0 and depths[2] == depths[3] == 0 for depths in late)
+    late = [depths for depths in history[-50:] if any(depths)]       # but the plain rechecks
+    assert len(late) >= 47 and all(depths[0] > 0 and depths[1] > 0 and depths[2] == depths[3] == 0 for depths in late)
+
+
+def test_a_slow_start_does_not_lock_drafting_in():
+    """The first plain steps measure 3x slow (a cold start), so drafting at this poor acceptance
+    looks better than the plain rate, while the best fixed depth is 0: the plain steps the policy
+    takes while drafting measure T(B) again, and it stops drafting (but for rare probes)."""
+    sim = Simulation([[0.3] * 4], j=0.003, v=0.002)
+    assert _best_fixed_rate(sim)[0] == 0
+    policy, calls = AdaptivePolicy(4), []
+    observe = policy.observe_step
+
+    def slow_start(num_seqs, num_tokens, num_drafts, has_prefill, seconds):
+        calls.append(seconds)
+        observe(num_seqs, num_tokens, num_drafts, has_prefill, seconds * (3 if len(calls) <= 3 else 1))
+
+    policy.observe_step = slow_start
+    _, _, history = sim.run(policy, 400)
+    assert any(history[10]) and sum(1 for depths in history[-100:] if any(depths)) <= 2
 
 
 def test_cold_policy_probes_again_and_follows_a_batch_that_shrinks():
