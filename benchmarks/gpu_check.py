@@ -333,9 +333,9 @@ def memory(report: Report, device: str, tiny) -> None:
                          max_model_len=4096 if device == "cuda" else 128, gpu_memory_utilization=0.5,
                          kv_cache_bytes=1 << 26)
     if device == "cuda":
-        plan = runner.memory
+        plan = runner.plan
         blocks = runner.max_num_blocks()
-        ok = 0 < plan.cache and blocks * runner.bytes_per_block <= plan.cache
+        ok = 0 < plan.kv_budget_bytes and blocks * runner.bytes_per_block <= plan.kv_budget_bytes
         report.check(ok, f"memory: {Path(path).name} at --gpu-memory-utilization 0.5",
                      plan.summary() + f"; {blocks} blocks")
     else:

@@ -59,13 +59,13 @@ class LLM:
         config, self.drafter, self.mtp = args.runner_config(), drafter, None
         if args.speculative_tokens and drafter is None:
             # the MTP draft model, on this thread, loaded first: its caches share the runner's block
-            # ids and budget (and on a GPU the runner's memory profile sees its weights)
+            # ids, and its weights and caches count in the runner's plan (workers/plan.py)
             from shardserve.workers.draft_worker import DraftWorker
 
             self.drafter = self.mtp = DraftWorker(inline=True)
-            info = self.mtp.load_weights(self.files, self.hf_config, args.draft_buffer_sizes(), args.block_size,
-                                         args.dtype, seed=args.seed, device=args.device)
-            config.draft_bytes_per_block = info["bytes_per_block"]
+            self.mtp.load_weights(self.files, self.hf_config, args.draft_buffer_sizes(), args.block_size,
+                                  args.dtype, seed=args.seed, device=args.device)
+            config.draft_on_device = True   # its weights and caches in this runner's plan
         self.runner = ModelRunner(self.files, self.hf_config, config, progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
