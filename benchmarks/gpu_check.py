@@ -344,6 +344,36 @@ def memory(report: Report, device: str, tiny) -> None:
                      "memory: profiling forward ran (CPU: --kv-cache-gib budget)", f"{runner.max_num_blocks()} blocks")
 
 
+def long_context(report: Report, device: str) -> None:
+    """Issue 25 on the GPU: a DeepSeek-V3.2-shaped attention layer (TP=8 slice, bf16, Triton) prefills
+    a 2,048-token chunk at the end of 32K and 128K contexts, DSA and dense: seconds, peak bytes above
+    the caches (flat in the context), and a decode step (benchmarks/bench_long_context.py)."""
+    if device != "cuda":
+        report.line("SKIP", "long context", "CPU dry run: a V3.2-shaped layer is too slow interpreted")
+        return
+    from bench_long_context import Meter, attach_caches, build_layer, layer_step, metadata
+
+    meter, cuda, dtype, contexts = Meter(torch.device("cuda")), torch.device("cuda"), torch.bfloat16, (32768, 131072)
+    for dsa in (True, False):
+        layer = build_layer(dsa, contexts[-1] + 8, dtype, cuda)
+        tables = attach_caches(layer, contexts[-1], 1, dtype, cuda)
+        top_k, name, peaks = (2048 if dsa else None), ("DSA" if dsa else "dense MLA"), []
+        for context in contexts:
+            prefill, decode = metadata(tables, [context], [2048], cuda), metadata(tables, [context], [1], cuda)
+            layer_step(layer, prefill, top_k, dtype, cuda)                     # compile
+            seconds, peak = meter(lambda: layer_step(layer, prefill, top_k, dtype, cuda))
+            layer_step(layer, decode, top_k, dtype, cuda)
+            decode_s = min(meter(lambda: layer_step(layer, decode, top_k, dtype, cuda))[0] for _ in range(3))
+            peaks.append(peak)
+            report.line("info", f"long context: {name} at {context // 1024}K",
+                        f"prefill 2048 tokens {seconds * 1e3:.1f} ms, peak {peak / 2**20:.0f} MiB; "
+                        f"decode {decode_s * 1e3:.2f} ms")
+        report.check(peaks[1] <= 1.05 * peaks[0] + (64 << 20), f"long context: {name} prefill memory flat",
+                     f"{peaks[0] / 2**20:.0f} MiB at 32K, {peaks[1] / 2**20:.0f} MiB at 128K")
+        del layer, tables
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Measured device-to-device copy bandwidth, bytes read + written per second."""
     src = torch.empty(1 << 29, dtype=torch.uint8, device=device)
@@ -461,7 +491,8 @@ def main() -> int:
     # time limit still reports the rest).
     sections = [("placement", placement, device, tiny), ("parity", parity_tiny, device, tiny),
                 ("fp8", parity_fp8, device, tiny), ("nccl", nccl, device), ("graphs", graphs, device, tiny),
-                ("memory", memory, device, tiny), ("smollm2", parity_smollm2, device, 2 if dry else 16),
+                ("memory", memory, device, tiny), ("long_context", long_context, device),
+                ("smollm2", parity_smollm2, device, 2 if dry else 16),
                 ("kernels", kernels, dry, args.quick), ("throughput", throughput, device)]
     for name, fn, *fn_args in sections:
         if name in skip or (name == "throughput" and args.quick):

@@ -17,7 +17,7 @@ import re
 import sys
 
 from shardserve.cluster import cli_agents, generate_controls
-from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
+from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
 from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
@@ -65,8 +65,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep the first N positions of each sequence in every DSA top-k (attention sink; "
                              "0 = plain top-k)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
-                        help="MTP speculative decoding: draft tokens per sequence and step from the checkpoint's "
-                             "MTP layer (0 = off)")
+                        help="MTP speculative decoding: the most draft tokens per sequence and step from the "
+                             "checkpoint's MTP layer (0 = off)")
+    parser.add_argument("--speculative-policy", choices=list(SPECULATIVE_POLICIES), default="adaptive",
+                        help="adaptive: draft only when, and as deep as, it pays (measured step costs and "
+                             "per-request acceptance); fixed: always --speculative-tokens")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -129,7 +132,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
-                      speculative_tokens=ns.speculative_tokens,
+                      speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager, quantization=ns.quantization, compile=ns.compile,
                       recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
@@ -275,7 +278,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     check_model(args.model)
     refuse_exposed(ns.host, front.requires_key, ns.allow_unauthenticated, "--host")
     stop = _interrupt_event()
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     if not ns.address:
         group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     check_port_free(ns.host, ns.grpc_port, "--grpc-port")
@@ -325,7 +328,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
+        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
+        device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
         recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, compile=ns.compile,
         **serve_args_fields(ns, read_keys), **cli_agents.parser_settings(ns))
@@ -568,9 +572,10 @@ def _generate(ns: argparse.Namespace) -> int:
     from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import check_model
 
+    from shardserve.cluster.prompt_file import read_prompt
+
     # Everything that can be checked without the model is checked first (loading takes seconds).
-    if not ns.prompt:
-        raise ValueError("--prompt must not be empty")
+    ns.prompt = read_prompt(ns.prompt, ns.prompt_file)   # the agent flags read it too
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
     generate_controls.apply_flags(ns, params).validate()
@@ -610,7 +615,7 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
 
     group = _group_config(ns)
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(None, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
     handle = pg = None
@@ -657,7 +662,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)
     _engine_flags(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt text (required, not empty)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text, not empty (default: none; this or --prompt-file is required)")
+    source.add_argument("--prompt-file", metavar="FILE",
+                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input "
+                             "(default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")

@@ -5,13 +5,16 @@ model family. Both users read it: the memory profile (``workers/memory_profile.p
 forward may not need more than it says, and on CUDA the KV budget subtracts the larger of it and
 the measured peak) and the plan (``workers/plan.py``: ``shardserve plan`` and every rank at
 start-up). When a kernel or a forward changes what it allocates, change its term here, in one
-place (issue 25 replaces MLA/DSA's dense prefill: ``_mla_prefill``, ``_indexer``).
+place.
 
 The model is an upper bound read off the code, tensor by tensor: the step's inputs and layout
 tensors, the residual stream, the largest decoder sublayer (attention with its DSA indexer, or the
 MLP / MoE), and the LM head with the sampler's sort over ``[rows, vocab]`` at the end; within a
 sublayer every temporary is counted as if none were freed before the sublayer ends, except where
-the peak is known to be a phase (MLA's dense prefill scores, the indexer's score chunks). Two
+the peak is known to be a phase (the indexer's row chunks, MLA's key tiles and chunks). MLA and DSA
+allocate nothing of size ``tokens x context`` (issue 25): their long-context terms are bounded by
+:data:`kernels.workspace.WORKSPACE_ELEMENTS` and read the kernels' own tile planners, so the reserve
+at a 163,840-token context exceeds the 4,096-token one only by the block tables. Two
 paths differ where their kernels do: ``triton=True`` (the CUDA path: each kernel allocates its
 output only) and ``triton=False`` (the torch references of the CPU path, which gather the paged
 context and keep float32 copies). Workspaces allocated inside one torch op (a sort's, SDPA's on
@@ -28,6 +31,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from shardserve.kernels.mla_attention import absorbed_ref_tiles
+from shardserve.kernels.mla_prefill import expanded_chunk_keys, expanded_is_cheaper
+from shardserve.kernels.workspace import WORKSPACE_ELEMENTS, plan_row_chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +87,7 @@ def _rope(tokens: int, heads: int, rot: int, d: int, triton: bool) -> int:
 
 # -- attention -------------------------------------------------------------------------------
 
-def _mla(attn, shape: StepShape, hidden: int, d: int, top_k: int | None, triton: bool) -> int:
+def _mla(attn, shape: StepShape, hidden: int, d: int, top_k: int | None, triton: bool, block_size: int) -> int:
     """One MLA sublayer (``workers/models/mla.py``) with its DSA indexer when it has one."""
     t, h = shape.num_tokens, attn.num_heads
     nope, rope, v, lora = attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
@@ -93,63 +100,101 @@ def _mla(attn, shape: StepShape, hidden: int, d: int, top_k: int | None, triton:
     if attn.indexer is not None and top_k is not None:
         indexer = _indexer(attn.indexer, shape, hidden, d, top_k, triton)
     selected = top_k if top_k is not None and shape.max_seq_len > top_k else None
-    if shape.max_query_len == 1:
-        attention = _mla_decode(attn, shape, d, selected, triton)
-    else:
-        attention = _mla_prefill(attn, shape, d, selected)
+    if shape.max_query_len > 1 and selected is None and expanded_is_cheaper(
+            shape.max_query_len, lora, nope, rope, v):
+        attention = _mla_expanded(attn, shape, d, triton, block_size)
+    else:     # decode, DSA's sparse prefill, short dense chunks
+        attention = _mla_absorbed(attn, shape, d, selected, triton)
     attention += _n(t, selected) * 4 if selected else 0                                 # the step's top-k
     return total + max(indexer, attention) + _n(t, hidden) * d * 2                     # o_proj (+ reduce)
 
 
-def _mla_decode(attn, shape: StepShape, d: int, selected: int | None, triton: bool) -> int:
-    """Absorbed decode: ``q W_UK`` (einsum copies of q and the weight), attention over the latent
-    cache, ``W_UV`` after. The reference gathers each query's keys as float32 rows."""
+def _mla_absorbed(attn, shape: StepShape, d: int, selected: int | None, triton: bool) -> int:
+    """Absorbed MLA (decode, DSA's sparse prefill over each token's ``selected`` keys, short dense
+    chunks): ``q W_UK`` (einsum copies of q and the weight), :func:`kernels.mla_attention`, ``W_UV``
+    after. Triton: the output and, for few programs, split-K partials. The reference walks
+    :func:`kernels.mla_attention.absorbed_ref_tiles`: per row chunk float32 state and per key tile
+    the gathered rows, their indices and the scores, nothing of the context's size."""
     t, h = shape.num_tokens, attn.num_heads
     nope, rope, v, lora = attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
+    keys = selected or shape.max_seq_len
     total = _n(h, t, nope) * d + _n(h, nope + v, lora) * d + _n(t, h, lora) * d * 2 + _n(t, h, v) * d * 2
-    if not triton:
-        keys = selected or shape.max_seq_len
-        total += _n(t, keys) * (8 * 3 + 1) + _n(t, keys, lora + rope) * 4                # positions, rows
-        total += _n(t, h, lora) * 4 * 2 + _n(t, h, keys) * 4 * 4                         # scores, probs
-    return total
+    total += _n(t) * 8 * 4                                                               # token_seq / token_pos
+    if triton:   # kernels/mla_attention_triton.py: choose_splits with 16-head tiles at kv_lora >= 256
+        tiles = -(-h // (16 if lora >= 256 else 64))
+        splits = 1 if t * tiles >= 512 else max(1, min(-(-keys // 256), -(-512 // (t * tiles)), 64))
+        return total + _n(t, h, splits) * 4 + (_n(t, h, splits, lora) * 4 if splits > 1 else 0)
+    rows, tile = absorbed_ref_tiles(keys, lora + rope, h)
+    rows = min(rows, t)
+    state = _n(rows, h, lora) * 4 * 4 + _n(rows, h) * 4 * 6 + (_n(rows, h, lora + rope) * 4 if d != 4 else 0)
+    gather = _n(rows, tile) * (8 * 6 + 2) + _n(rows, tile, lora + rope) * (d + (4 if d != 4 else 0))
+    return total + state + gather + _n(rows, h, tile) * 4 * 5
 
 
-def _mla_prefill(attn, shape: StepShape, d: int, selected: int | None) -> int:
-    """Dense MLA prefill (``MLAAttention._prefill``): the context expanded through ``kv_b_proj``
-    and ``[B, H, Q, S]`` scores, masked to the DSA selection. Peak: the scores' float32 softmax
-    (or the sum of the two score einsums, whichever is larger) beside the expanded context."""
+def _mla_expanded(attn, shape: StepShape, d: int, triton: bool, block_size: int) -> int:
+    """Dense prefill expanded per key chunk (:func:`kernels.mla_prefill.mla_prefill_dense`): the
+    float32 online-softmax state ``[T, H, v + 2]``; per chunk of
+    :func:`kernels.mla_prefill.expanded_chunk_keys` positions the gathered latent rows and their
+    ``kv_b_proj`` expansion (the reference: float32 copies and ``[rows, H, C]`` score tiles within the
+    workspace); the normalized output. Nothing of size ``tokens x context``."""
     t, b, q, s, h = shape.num_tokens, shape.num_seqs, shape.max_query_len, shape.max_seq_len, attn.num_heads
     nope, rope, v, lora = attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
-    scores = _n(b, h, q, s)
-    masks = _n(b, q, s) * 3 + (_n(t, s + 1) + _n(t, selected) * 8 if selected else 0)
-    context = _n(b, s, lora + rope) * d + _n(b, s, lora) * d + _n(b, s, h, nope + v) * d   # latent, c, kv
-    queries = _n(b, q, h, nope + rope) * d * 2 + _n(b, s, h, max(nope, v)) * d          # pads, operand copy
-    upcast = 4 if d != 4 else 0                                                          # .float() of scores
-    phase = max(scores * 3 * d, scores * (2 * d + upcast + 4))
-    return masks + context + queries + phase + _n(b, q, h, v) * d * 2 + _n(t, h, v) * d
+    chunk = min(s, expanded_chunk_keys(b, h, nope + v, lora + rope, block_size))
+    total = _n(t, h, v) * 4 + _n(t, h) * 4 * 2 + _n(t) * 8 * 4                           # state, token_pos
+    total += _n(b, chunk) * 8 * 4 + _n(b, chunk, lora + rope) * d + _n(b, chunk, lora) * d   # slots, latent
+    total += _n(b, chunk, h, nope + v) * d                                               # expanded chunk
+    if not triton:
+        rows = min(q, max(1, WORKSPACE_ELEMENTS // max(1, h * chunk)))
+        total += _n(chunk, h, nope + v) * 4 + _n(chunk, rope) * 4 + _n(chunk) * 8        # float32 keys, values
+        total += _n(rows, h, chunk) * 4 * 4 + _n(rows, chunk) + _n(rows, h, v) * 4 * 3 + _n(rows, h) * 4 * 6
+    return total + _n(t, h, v) * (4 + d) + _n(t, h) * 4 + _n(t, h, v) * d               # output, o_proj input
 
 
 def _indexer(indexer, shape: StepShape, hidden: int, d: int, top_k: int, triton: bool) -> int:
     """DSA lightning indexer (``workers/models/dsa_indexer.py``): q/k projections, RoPE and the
-    Hadamard rotation, then (when a context exceeds ``top_k``) per-head weights, the ``[T, S]``
-    float32 scores and the top-k. The reference gathers the keys as float32 and scores in chunks
-    of at most 2**24 ``[rows, H, S]`` elements."""
+    Hadamard rotation, then (when a context exceeds ``top_k``) per-head weights and
+    :func:`kernels.indexer.indexer_topk`: one bounded chunk of rows at a time
+    (:func:`kernels.workspace.plan_row_chunks`), its float32 logits and their top-k; Triton keeps
+    the sort's workspace of ``torch.topk`` over the chunk (values and int64 indices), the reference
+    its score tiles (a quarter of the workspace each) and the causal mask."""
     t, s, heads, dim = shape.num_tokens, shape.max_seq_len, indexer.num_heads, indexer.head_dim
     q = _n(t, heads, dim)
-    total = q * d * 3 + _rope(t, heads + 1, indexer.rope_dim, d, triton) + _n(t, dim) * d * 4
-    total += q * (d if triton else 4 * 3)                                                # Hadamard
+    # Phase 1, q and k made: projections and RoPE (a rotated part and the concatenation), then the
+    # Hadamard rotation (the reference in float32); the unrotated q is gone after each.
+    rope = _rope(t, heads + 1, indexer.rope_dim, d, triton)
+    made = max(q * d * 2 + rope, q * d + q * (d if triton else 4 * 3)) + _n(t, dim) * d * 4
     if s <= top_k:
-        return total
-    total += _n(t, hidden) * 4 + _n(t, heads) * 4 * 2                                  # weights_proj
+        return made
+    # Phase 2, scoring: the final q, per-head weights, the result, then one row chunk at a time.
+    total = q * d + _n(t, hidden) * 4 + _n(t, heads) * 4 * 2 + _n(t, top_k) * 4 + _n(t) * 8 * 4
     if indexer.cache_fp8:
         total += q * (4 * 4 + 1)                                                          # quantized q
-    total += _n(t, s) * 4                                                                # scores
-    if not triton:   # chunks of query rows of one sequence (decode: of the batch)
-        rows = min(max(1, (1 << 24) // max(1, heads * s)), t if shape.max_query_len == 1 else shape.max_query_len)
-        total += _n(shape.num_seqs, s, dim) * (4 + d) + q * 4 + _n(t, s) * 4 + _n(t) * 8 * 3
-        total += _n(rows, heads, s) * 4 * 2 + _n(rows, s) * 4
+    chunks = _indexer_chunks(shape)
+    rows = max(c.end - c.start for c in chunks)
+    logits = max((c.end - c.start) * c.width for c in chunks)
     keep = min(top_k, s)
-    return total + _n(t, keep) * (4 + 8 + 8) + _n(t, top_k) * 4
+    topk = _n(rows, keep) * (4 + 8 + 1 + 8 * 3 + 4) + _n(rows, top_k) * 4
+    if triton:
+        return max(made, total + logits * (4 + 12) + topk)
+    # Score tiles [rows of one sequence, H, keys] within a quarter of the workspace.
+    seg_rows = rows if shape.max_query_len == 1 else min(rows, shape.max_query_len)
+    keys = min(s, max(1, WORKSPACE_ELEMENTS // 4 // (seg_rows * heads)))
+    tile = _n(seg_rows, heads, keys)
+    work = _n(rows, heads, dim) * 4 + _n(rows, heads) * 4 + logits * (4 + 1) + _n(s) * 8 * 6
+    gathered = _n(seg_rows if shape.max_query_len == 1 else 1, keys, dim) * (4 + d) + _n(keys) * 8 * 6
+    return max(made, total + work + tile * 4 + _n(seg_rows, keys) * 4 + gathered + topk)
+
+
+def _indexer_chunks(shape: StepShape):
+    """The indexer's row chunks for ``shape`` (the kernel's own planner over the same bounds)."""
+    if shape.max_query_len == 1:
+        return plan_row_chunks(shape.num_tokens, shape.max_seq_len)
+    per_seq = [shape.num_tokens // shape.num_seqs + (b < shape.num_tokens % shape.num_seqs)
+               for b in range(shape.num_seqs)]
+    query_start = [0]
+    for count in per_seq:
+        query_start.append(query_start[-1] + count)
+    return plan_row_chunks(shape.num_tokens, shape.max_seq_len, query_start, [shape.max_seq_len] * shape.num_seqs)
 
 
 def _gqa(attn, shape: StepShape, hidden: int, d: int, triton: bool, gated: bool) -> int:
@@ -236,14 +281,15 @@ def _moe(moe, tokens: int, hidden: int, d: int, triton: bool) -> int:
 
 # -- whole step ------------------------------------------------------------------------------
 
-def _sublayer_peaks(layer, shape: StepShape, hidden: int, d: int, top_k: int | None, triton: bool) -> int:
+def _sublayer_peaks(layer, shape: StepShape, hidden: int, d: int, top_k: int | None, triton: bool,
+                    block_size: int) -> int:
     """The larger of a decoder layer's token mixer and its MLP / MoE."""
     from shardserve.workers.models.gated_deltanet import GatedDeltaNet
     from shardserve.workers.models.mla import MLAAttention
 
     mixer = getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None)
     if isinstance(mixer, MLAAttention):
-        attn = _mla(mixer, shape, hidden, d, top_k, triton)
+        attn = _mla(mixer, shape, hidden, d, top_k, triton, block_size)
     elif isinstance(mixer, GatedDeltaNet):
         attn = _deltanet(mixer, shape, hidden, d, triton)
     else:
@@ -268,10 +314,10 @@ def _logits(head, rows: int, d: int) -> int:
 
 def _inputs(shape: StepShape, block_size: int) -> int:
     """The step's device inputs (ids, positions, slots, lengths, block tables, logit rows), twice
-    (the stager's buffer and the views cut from it), and the per-sequence layout of MLA models."""
+    (the stager's buffer and the views cut from it), and MLA's dense-group indices of a mixed step."""
     t, b, s = shape.num_tokens, shape.num_seqs, shape.max_seq_len
     inputs = (_n(t) * 3 + _n(b + 1) * 2 + _n(b, -(-s // block_size)) + shape.num_logit_rows) * 8 * 2
-    return inputs + _n(b, s) * 8 * 4 + _n(b, shape.max_query_len, s) * 2 + _n(t) * 8 * 2
+    return inputs + (_n(t + 2 * b + 1) * 8 + _n(b, -(-s // block_size)) * 4) * 2
 
 
 def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int = 16) -> int:
@@ -301,7 +347,7 @@ def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int
     t = shape.num_tokens
     stream = _n(t, hidden) * d * 4 + _norm(t, hidden, d, triton)              # hidden, residual, norm outputs
     embed = _n(t, hidden) * d * 3 + _n(t) * 8 * 3
-    peak = max(_sublayer_peaks(layer, shape, hidden, d, top_k, triton) for layer in layers)
+    peak = max(_sublayer_peaks(layer, shape, hidden, d, top_k, triton, block_size) for layer in layers)
     rows = shape.num_logit_rows
     logits = _n(rows, hidden) * d * 2 + _logits(head, rows, d)
     return _inputs(shape, block_size) + max(embed, stream + peak, stream + logits)

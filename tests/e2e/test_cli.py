@@ -140,9 +140,11 @@ def test_generate_with_a_named_tool_prints_a_call_that_fits_the_schema(smollm2_f
               "required": ["city"], "additionalProperties": False}
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]))
+    prompt = tmp_path / "prompt.txt"   # the tools path takes --prompt-file's text too
+    prompt.write_text("Weather in Paris?\n")
     exe = Path(sys.executable).parent / "shardserve"
-    proc = subprocess.run([str(exe), "generate", "--model", str(smollm2_files.path), "--chat", "--prompt",
-                           "Weather in Paris?", "--tools", str(tools), "--tool-choice", "get_weather",
+    proc = subprocess.run([str(exe), "generate", "--model", str(smollm2_files.path), "--chat", "--prompt-file",
+                           str(prompt), "--tools", str(tools), "--tool-choice", "get_weather",
                            "--max-tokens", "40", "--kv-cache-gib", "0.05"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     answer = json.loads(proc.stdout)

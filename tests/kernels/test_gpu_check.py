@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode",
+OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode", "mla sparse prefill",
+       "mla expanded prefill",
        "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer fp8-cache decode",
        "indexer prefill", "fused_moe", "fp8_linear", "fp8 fused_moe", "gated_delta decode", "gated_delta chunked prefill",
        "causal_conv1d decode", "causal_conv1d prefill"]
