@@ -191,11 +191,12 @@ class ModelRunner:
         mode = self.config.decode_graphs
         if mode == "replay":
             return "replay"
-        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda" or self.state_layers:
-            return None   # NOTE: hybrid models' recurrent-state steps run eagerly (not captured yet)
+        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda":
+            return None
         from shardserve.kernels.dispatch import use_triton
 
-        # The torch references sync with the host (data-dependent shapes): not capturable.
+        # NOTE: the torch references' decode paths are capturable too (no host sync), but their
+        # pair-wise MoE and per-layer temporaries are sized for CPU; on CUDA, graphs run the kernels.
         return "cuda" if use_triton(torch.empty(0, device=self.device)) else None
 
     def _check_fits(self, meta_model, weight_bytes: int) -> None:
@@ -236,8 +237,9 @@ class ModelRunner:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers)."""
-        return cache_bytes(self.state_layers, self.num_state_slots, 1)
+        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers;
+        with decode graphs one scratch slot more)."""
+        return cache_bytes(self.state_layers, self.num_state_slots + (self.graph_backend is not None), 1)
 
     def max_num_blocks(self) -> int:
         """Blocks that fit this rank's budget (``num_blocks`` when set; else what the CUDA profile's
@@ -266,9 +268,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks + (backend is not None),
                                            self.block_size, self.device)
-        if self.state_layers:   # one state slot per sequence, beside the KV cache (same allocator)
-            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots, 1, self.device)
-            self.state_cache = StateCache(self.state_layers)
+        if self.state_layers:   # one state slot per sequence (+ the graphs' scratch slot), beside the KV cache
+            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots + (backend is not None), 1,
+                                                self.device)
+            self.state_cache = StateCache(self.state_layers, self.num_state_slots)
             logger.info("rank %d: recurrent-state pool %.1f MiB in %d slots", get_tp_group().tp_rank,
                         self.state_bytes / 2**20, self.num_state_slots)
         memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
@@ -286,7 +289,8 @@ class ModelRunner:
             from shardserve.workers.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs, self.max_model_len,
-                                       self.block_size, self.num_blocks, backend)
+                                       self.block_size, self.num_blocks, backend,
+                                       self.num_state_slots if self.state_layers else None)
             self.graphs.capture()
 
     def memory_info(self) -> dict:
@@ -321,41 +325,43 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
-        holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
-        if holes:
-            self._fill_placeholders(holes)
-
-    def _fill_placeholders(self, holes: list) -> None:
-        """Async scheduling: put rank 0's last sample of each request in its decode's placeholder.
-        Other ranks get them from rank 0 in one all-reduce of ``[len(holes)]`` int64 (zeros elsewhere;
-        exact on every backend: ids are far below 2**24, the shm backend sums in float32).
-
-        Raises:
-            RuntimeError: rank 0 never sampled for one of them (a coordinator bug).
-        """
-        group = get_tp_group()
-        if group.tp_rank == 0:
-            tokens = [self.requests[sched.req_id].last_sampled for sched in holes]
-            if PLACEHOLDER_TOKEN in tokens:
-                missing = holes[tokens.index(PLACEHOLDER_TOKEN)].req_id
-                raise RuntimeError(f"the plan has a placeholder for {missing!r}, which rank 0 never sampled")
-        else:
-            tokens = [0] * len(holes)
-        if group.tp_size > 1:
-            tokens = group.all_reduce(torch.tensor(tokens, dtype=torch.int64, device=self.device)).tolist()
-        for sched, token in zip(holes, tokens):
-            sched.token_ids[-1] = token
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
-        return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
+        """The step's host layout; placeholders (async scheduling) hold rank 0's last samples on rank
+        0 and 0 elsewhere, their rows kept in ``placeholder_rows`` when ranks must share them.
+
+        Raises:
+            RuntimeError: rank 0 never sampled for a placeholder's request (a coordinator bug).
+        """
+        host = build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
                                 self.block_size)
+        if not host.placeholder_rows:
+            return host
+        group = get_tp_group()
+        if group.tp_rank == 0:
+            holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
+            for row, sched in zip(host.placeholder_rows, holes):
+                token = self.requests[sched.req_id].last_sampled
+                if token == PLACEHOLDER_TOKEN:
+                    raise RuntimeError(f"the plan has a placeholder for {sched.req_id!r}, which rank 0 never sampled")
+                host.input_ids[row] = token
+        if group.tp_size == 1:
+            host.placeholder_rows = []
+        return host
+
+    @staticmethod
+    def _share_placeholders(input_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Async scheduling at TP > 1: every rank's ``input_ids[rows]`` become rank 0's (the other
+        ranks hold 0 there) in one all-reduce on the device: no host round trip on any rank (exact on
+        every backend: ids are far below 2**24, the shm backend sums in float32)."""
+        input_ids.index_copy_(0, rows, get_tp_group().all_reduce(input_ids.index_select(0, rows)))
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
         return self._device_inputs(self._host_batch(plan), plan)
 
     def _device_inputs(self, host: HostBatch, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        input_ids, meta, rows = device_batch(host, self.stager)
+        input_ids, meta, rows = device_batch(host, self.stager, self._share_placeholders)
         if self.state_cache is not None:   # hybrid models: the recurrent-state slots of this step
             meta.state = self.state_cache.begin_step(plan)
         return input_ids, meta, rows
@@ -371,7 +377,8 @@ class ModelRunner:
             return torch.empty(0, self.hf_config.vocab_size, device=self.device)
         host = self._host_batch(plan)
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
-            hidden, rows = self.graphs.run(host, self.stager), None
+            state_slots = None if self.state_cache is None else self.state_cache.begin_decode(plan)
+            hidden, rows = self.graphs.run(host, self.stager, state_slots, self._share_placeholders), None
         else:
             input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
