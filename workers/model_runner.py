@@ -27,7 +27,7 @@ from shardserve.workers.forward_context import AttentionMetadata, forward_contex
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.quantization import WeightFormat, weight_format_for
-from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.sampler import sample_on_device, sample_with_drafts, sampled_tokens
 from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
@@ -397,7 +397,7 @@ class ModelRunner:
         if any(s.num_spec_tokens for s in sampling):
             sampled = sample_with_drafts(logits, sampling, options, self.generator)
         else:
-            tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
+            tokens, logprobs = sample_on_device(logits, options, [s.output_index for s in sampling], self.generator)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
         for token in sampled:   # in order: a request's last entry is its newest token
             self.requests[token.req_id].last_sampled = token.token_id

@@ -81,14 +81,20 @@ def _why(func, args, kwargs) -> str | None:
 
 
 class _NoHostSyncMode(TorchDispatchMode):
-    def __init__(self, where: str) -> None:
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NOTE: False keeps __torch_dispatch__ unwrapped: wrapping it imports torch._dynamo on the
+        # first op (seconds per process) and costs a wrapper call per op; the guard compiles nothing.
+        return False
+
+    def __init__(self, where: str, uploads: bool) -> None:
         super().__init__()
-        self.where = where
+        self.where, self.uploads = where, uploads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = _why(func, args, kwargs)
-        if why is not None:
+        if why is not None and not (self.uploads and func.overloadpacket is aten.lift_fresh):
             raise HostSyncError(f"{func} in {self.where}: {why}")
         return func(*args, **kwargs)
 
@@ -139,9 +145,11 @@ def _patch_once() -> None:
 
 
 @contextlib.contextmanager
-def no_host_sync(where: str = "a captured decode step") -> Iterator[None]:
+def no_host_sync(where: str = "a captured decode step", uploads: bool = False) -> Iterator[None]:
     """Within the block, raise :class:`HostSyncError` on any op a CUDA graph capture cannot hold
-    (see the module docstring); ``where`` names the region in the message.
+    (see the module docstring); ``where`` names the region in the message. ``uploads=True`` allows
+    host data copied to the device (``torch.tensor(list)``: code outside a graph that must not
+    *read* the device, like the sampler).
 
     Raises:
         HostSyncError: such an op ran (the message names it and why).
@@ -150,7 +158,7 @@ def no_host_sync(where: str = "a captured decode step") -> Iterator[None]:
     _patch_once()
     _depth += 1
     try:
-        with _NoHostSyncMode(where):
+        with _NoHostSyncMode(where, uploads):
             yield
     finally:
         _depth -= 1
