@@ -74,6 +74,21 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, table_ptr, offs_n, n_mask, kvh, offs_d, d_mask,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """K and V rows ``[BLOCK_N, BLOCK_D]`` of KV head ``kvh`` at logical positions ``offs_n``,
+    through one sequence's block table (``table_ptr``): position -> physical block and offset."""
+    blk = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr, out_ptr, lse_ptr,
     qk_scale, keys_per_split, D,
@@ -109,14 +124,9 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # Paged gather: logical position -> physical block and offset inside it.
-        blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_blk = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k, v = _kv_tile(k_ptr, v_ptr, block_tables_ptr + seq * stride_bt, offs_n, n_mask, kvh, offs_d, d_mask,
+                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)                                     # [BLOCK_N, BLOCK_D]
         s = mma(q, tl.trans(k), UPCAST) * qk_scale       # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))          # finite: every tile has a valid key
@@ -174,13 +184,9 @@ def _paged_prefill_kernel(
     for start in range(0, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
-        blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_blk = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)      # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k, v = _kv_tile(k_ptr, v_ptr, block_tables_ptr + seq * stride_bt, offs_n, n_mask, kvh, offs_d, d_mask,
+                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)                                     # [BLOCK_N, BLOCK_D]
         s = mma(q, tl.trans(k), UPCAST) * qk_scale                              # [BLOCK_M, BLOCK_N], log2 units
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
