@@ -29,7 +29,8 @@ Adding a section is one function: ``@section("key", "title")`` on ``fn(ctx, repo
 ``with report.attempt("name"):`` per model or check. A section waiting for code that has not landed
 is listed in :data:`PENDING` (reported NOT RUN with its reason) until its function is written.
 
-Exit code: 0 when nothing failed, 1 when something did, 2 when the environment cannot run it.
+Exit code: 0 when nothing failed, 1 when something did, 2 when the environment cannot run it (no CUDA
+device without ``--cpu-dry-run``: every section is listed NOT RUN and the last line says so).
 """
 
 from __future__ import annotations
@@ -57,13 +58,27 @@ def _load_sections() -> None:
     import gpu_check_throughput  # noqa: F401 - registers throughput
 
 
+def _no_device() -> int:
+    """Without a CUDA device nothing GPU-side ran: every section is NOT RUN (never a pass), exit 2."""
+    _load_sections()
+    report = Report()
+    reason = "no CUDA device visible"
+    for _, title, _ in SECTIONS:
+        report.not_run(title, reason)
+    for title, _ in PENDING.values():
+        report.not_run(title, reason)
+    report.summary()
+    print(f"gpu_check: NOT RUN: {reason} (torch {torch.__version__}, CUDA build {torch.version.cuda}); run it "
+          "on a GPU machine, or pass --cpu-dry-run to exercise the same code on the CPU", flush=True)
+    return 2
+
+
 def run(args) -> int:
     dry = args.cpu_dry_run
     if dry:
         os.environ["TRITON_INTERPRET"] = "1"          # before triton is imported (kernel section)
     elif not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible; run it on a GPU machine, or pass --cpu-dry-run")
-        return 2
+        return _no_device()
     if not dry:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

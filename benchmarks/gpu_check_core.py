@@ -25,6 +25,11 @@ PENDING = {
 }
 
 
+def _row(status: str, name: str, detail: str) -> str:
+    """One table line; two spaces at least between the name and the detail (what parsers split on)."""
+    return f"{status:<8} {name:<58}  {detail}".rstrip()
+
+
 class InjectedFailure(RuntimeError):
     """Raised by ``--inject-failure`` (tests of the harness)."""
 
@@ -50,7 +55,7 @@ class Report:
 
     def _add(self, status: str, name: str, detail: str = "") -> None:
         self.results.append(Result(status, name, detail))
-        print(f"{status:<8} {name:<58} {detail}", flush=True)
+        print(_row(status, name, detail), flush=True)
 
     def check(self, ok: bool, name: str, detail: str = "") -> None:
         if name in self.inject:   # an exception where the check is recorded: its attempt reports it
@@ -62,7 +67,7 @@ class Report:
 
     def info(self, name: str, detail: str) -> None:
         """A measurement (printed, not in the table's counts)."""
-        print(f"{'info':<8} {name:<58} {detail}", flush=True)
+        print(_row("info", name, detail), flush=True)
 
     @contextlib.contextmanager
     def attempt(self, name: str):
@@ -80,7 +85,7 @@ class Report:
         for status in (FAIL, NOT_RUN, PASS):
             for r in self.results:
                 if r.status == status:
-                    print(f"{r.status:<8} {r.name:<58} {r.detail}")
+                    print(_row(r.status, r.name, r.detail))
         print(f"gpu_check: {counts[PASS]} PASS, {counts[FAIL]} FAIL, {counts[NOT_RUN]} NOT RUN (not counted as "
               f"passed) in {time.time() - self.start:.0f} s", flush=True)
         return 1 if counts[FAIL] else 0

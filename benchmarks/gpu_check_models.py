@@ -86,7 +86,7 @@ def placement(ctx: Context, report: Report) -> None:
             runner = make_runner(ctx.tiny(arch)[0], device=ctx.device, decode_graphs=ctx.graphs, max_num_seqs=4)
             driver = PlanDriver(runner)
             first = driver.step({"a": list(range(3, 30)), "b": [5, 6, 7]})
-            driver.greedy(first, 3)
+            driver.greedy(first, 1 if ctx.dry else 3)
             input_ids, meta, rows = runner._prepare_inputs(driver.plan({"a": [7]}))
             inputs = [("input_ids", input_ids), ("rows", rows), ("slot_mapping", meta.slot_mapping),
                       ("block_tables", meta.block_tables), ("seq_lens", meta.seq_lens)]
@@ -179,19 +179,22 @@ def _parity_smollm2(ctx: Context, report: Report, files, steps: int) -> None:
 
 @section("graphs", "graphs: captured decode == eager")
 def graphs(ctx: Context, report: Report) -> None:
-    steps = 24 if ctx.device == "cuda" else 4
-    models = [(arch, lambda arch=arch: ctx.tiny(arch)[0]) for arch in FAMILIES]
+    """Every family on a GPU; the dry run exercises the code on two (tests/workers/test_device_path.py
+    checks every family's replay stand-in)."""
+    steps, batch = (24, 5) if ctx.device == "cuda" else (2, 3)
+    families = FAMILIES if ctx.device == "cuda" else ("llama", "qwen3_next")
+    models = [(arch, lambda arch=arch: ctx.tiny(arch)[0]) for arch in families]
     if ctx.smollm2() is not None and ctx.device == "cuda" and "smollm2" not in ctx.skip:
         models.append(("smollm2", lambda: ctx.smollm2().path))
     for name, path in models:
         with report.attempt(f"graphs: {name} greedy"):
             eager = make_runner(path(), device=ctx.device, enforce_eager=True, decode_graphs="off", num_blocks=128)
             cap = make_runner(path(), device=ctx.device, decode_graphs=ctx.graphs, num_blocks=128)
-            a, _ = decode_tokens(eager, 5, 12, steps)
-            b, _ = decode_tokens(cap, 5, 12, steps)
+            a, _ = decode_tokens(eager, batch, 12, steps)
+            b, _ = decode_tokens(cap, batch, 12, steps)
             report.check(a == b and cap.graphs is not None, f"graphs: {name} greedy",
                          f"{cap.graphs.backend if cap.graphs else 'no graphs'}, sizes "
-                         f"{cap.graphs.sizes if cap.graphs else []}, {steps} steps x 5 sequences")
+                         f"{cap.graphs.sizes if cap.graphs else []}, {steps} steps x {batch} sequences")
     with report.attempt("graphs: seeded sampling"):
         _sampled(ctx, report)
     with report.attempt("graphs: host time of a captured step"):
@@ -203,11 +206,13 @@ def _sampled(ctx: Context, report: Report) -> None:
     eager, through the engine."""
     from shardserve.cluster.engine.request import SamplingParams
 
+    length = 4 if ctx.dry else 12
     for arch in ("llama", "qwen3_next") if not ctx.dry else ("qwen3_next",):
         path = ctx.tiny(arch, tokenizer=True)[0]
-        params = [SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
-                  SamplingParams(max_tokens=9, temperature=1.0, top_k=20, top_p=0.9, seed=3, ignore_eos=True, logprobs=2),
-                  SamplingParams(max_tokens=10, temperature=0.6, min_p=0.05, seed=11, ignore_eos=True)]
+        params = [SamplingParams(max_tokens=length, temperature=0.8, seed=7, ignore_eos=True),
+                  SamplingParams(max_tokens=length - 1, temperature=1.0, top_k=20, top_p=0.9, seed=3, ignore_eos=True,
+                                 logprobs=2),
+                  SamplingParams(max_tokens=length, temperature=0.6, min_p=0.05, seed=11, ignore_eos=True)]
         prompts = [[0, 5, 9, 17, 33, 2], [0, 40, 41], [0, 7, 7, 8, 9, 10, 11, 12, 13]]
         runs = []
         for graphs_on in (False, True):
@@ -250,7 +255,7 @@ def speculative(ctx: Context, report: Report) -> None:
     with report.attempt("speculative: deepseek_v32 MTP k=2 greedy"):
         path = ctx.tiny("deepseek_v32", mtp=True, tokenizer=True)[0]
         prompts = [[0, 5, 9, 17, 33, 2, 8], [0, 40, 41], [0, 7, 7, 8, 9, 10, 11, 12, 13, 14]]
-        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=6 if ctx.dry else 16, temperature=0, ignore_eos=True)
         plain = [d.token_ids for d in make_llm(path, ctx, True).generate(prompts, params)]
         spec_llm = make_llm(path, ctx, True, speculative_tokens=2)
         spec = [d.token_ids for d in spec_llm.generate(prompts, params)]

@@ -454,8 +454,10 @@ def run_kernel_checks(report, interpret: bool = False, quick: bool = False, hbm:
     elif not quick:
         plans.append((BF16, False, True))
     for dtype, small, bench in plans:
-        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases, recurrent_cases,
-                      decode_cases):
+        builders = [elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases, recurrent_cases]
+        if not small:   # serving decode shapes (their small versions are the fp8 / fused_moe cases above)
+            builders.append(decode_cases)
+        for build in builders:
             torch.manual_seed(0)
             with report.attempt(f"kernel cases: {build.__name__} {str(dtype)[6:]}"):
                 cases = build(dtype, small)
