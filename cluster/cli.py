@@ -15,9 +15,11 @@ import logging
 import re
 import sys
 
+from shardserve.cluster import generate_controls
 from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
-from shardserve.cluster.frontend.security import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
+from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
+from shardserve.cluster.frontend.security import refuse_exposed
 from shardserve.workers.model_source import DEFAULT_MODEL
 
 
@@ -97,32 +99,6 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-timeout", type=float, default=300.0,
                         help="seconds to repair a dead shard or draft worker in place (new actors in the same "
                              "bundles) before the replica gives up and Ray Serve replaces it; 0 = no in-place repair")
-
-
-def _front_flags(parser: argparse.ArgumentParser) -> None:
-    """API keys, admission, deadlines and gRPC TLS (``serve`` and ``serve-grpc``)."""
-    parser.add_argument("--api-key", default=None,
-                        help="API key clients send as 'Authorization: Bearer KEY' (HTTP) or 'authorization' "
-                             f"metadata (gRPC); several: comma-separated (default: ${API_KEY_ENV}, else none: "
-                             "no authentication)")
-    parser.add_argument("--api-key-file", default=None,
-                        help="file with one API key per line, in addition to --api-key (default: none)")
-    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                        help="requests that may wait per replica; more get HTTP 429 / RESOURCE_EXHAUSTED")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="seconds a request may take before it is aborted with HTTP 408 / DEADLINE_EXCEEDED "
-                             "(default: no limit)")
-    parser.add_argument("--grpc-tls-cert", default=None,
-                        help="PEM certificate (chain) of the gRPC servers (default: none, plaintext)")
-    parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert (default: none)")
-
-
-def _front_config(ns: argparse.Namespace) -> FrontConfig:
-    front = FrontConfig(api_keys=load_api_keys(ns.api_key, ns.api_key_file), max_queued_requests=ns.max_queued_requests,
-                        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert,
-                        grpc_tls_key=ns.grpc_tls_key)
-    front.validate()
-    return front
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -287,13 +263,12 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     import ray
 
     from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
-    from shardserve.cluster.frontend.security import warn_if_exposed
     from shardserve.workers.model_source import check_model
 
-    args, group, front = _engine_args(ns), _group_config(ns), _front_config(ns)
+    args, group, front = _engine_args(ns), _group_config(ns), front_config(ns)
     args.validate()
     check_model(args.model)
-    warn_if_exposed(ns.host, front.api_keys, "serve-grpc")
+    refuse_exposed(ns.host, front.requires_key, ns.allow_unauthenticated, "--host")
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
     if not ns.address:
@@ -303,6 +278,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     _interrupt_event(stop)
     if ns.address:
         try:
+            check_ray_token_auth(ns.allow_ray_without_auth)
             group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, ns.address)
         except ValueError:
             ray.shutdown()
@@ -346,16 +322,14 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization,
-        api_key=load_api_keys(ns.api_key, ns.api_key_file) if read_keys else None,
-        max_queued_requests=ns.max_queued_requests,
-        request_timeout=ns.request_timeout, grpc_tls_cert=ns.grpc_tls_cert, grpc_tls_key=ns.grpc_tls_key)
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys))
 
 
-def _wait_until_serving(url: str, timeout_s: float) -> dict:
-    """Poll ``url`` (``/health``, which needs no key) until every replica is ready; returns the
-    health body. The poll backs off to 2 s. HTTPS is not verified: this is our own server on
-    this machine, and nothing secret is sent.
+def _wait_until_serving(url: str, app_name: str, num_replicas: int, timeout_s: float) -> list[dict]:
+    """Poll the replicas (their Serve handles: this process is the Ray driver) until every one is
+    ready, then ``url`` (``/health``, open) until the router answers ``ok``; returns the replicas'
+    statuses (address, ModelInfo). The poll backs off to 2 s. HTTPS is not verified: this is our
+    own server on this machine, and nothing secret is sent.
 
     Raises:
         ServeStartError: a replica failed to load. TimeoutError: not ready within ``timeout_s``.
@@ -366,24 +340,29 @@ def _wait_until_serving(url: str, timeout_s: float) -> dict:
     import urllib.error
     import urllib.request
 
+    from ray import serve
+
+    handles = [serve.get_deployment_handle(f"ModelReplica{i}", app_name) for i in range(num_replicas)]
     context = ssl._create_unverified_context() if url.startswith("https") else None
     deadline, last, pause = time.monotonic() + timeout_s, "no answer yet", 0.25
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5, context=context) as resp:
-                body = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            body = json.loads(exc.read() or b"{}") if exc.code == 503 else {}
-            last = f"HTTP {exc.code}"
-        except (OSError, ValueError) as exc:
-            body, last = {}, str(exc)
-        replicas = body.get("replicas", [])
-        failed = [r for r in replicas if r["state"] == "failed"]
+            statuses = [handle.status.remote().result(timeout_s=30) for handle in handles]
+        except Exception as exc:  # noqa: BLE001 - a replica still starting (or restarting)
+            statuses, last = [], f"{type(exc).__name__}: {exc}"
+        failed = [(i, s) for i, s in enumerate(statuses) if s["state"] == "failed"]
         if failed:
-            raise ServeStartError(f"replica {failed[0]['index']} failed to load: {failed[0]['error']} "
+            raise ServeStartError(f"replica {failed[0][0]} failed to load: {failed[0][1]['error']} "
                                   f"(logs: {ray_logs_dir()})")
-        if replicas and all(r["state"] == "ready" for r in replicas):
-            return body
+        if statuses and all(s["state"] == "ready" for s in statuses):
+            try:
+                with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+                    if json.loads(resp.read()).get("status") == "ok":
+                        return statuses
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"
+            except (OSError, ValueError) as exc:
+                last = str(exc)
         time.sleep(pause)
         pause = min(2.0, pause * 1.5)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last}; logs: {ray_logs_dir()})")
@@ -393,16 +372,15 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardserve.cluster.frontend.security import check_tls_pair, warn_if_exposed
+    from shardserve.cluster.frontend.security import check_tls_pair
     from shardserve.cluster.serve_app import build_app
     from shardserve.workers.model_source import resolve_model
 
     cfg = _serve_args(ns)
-    cfg.validate()
+    keyed = bool(cfg.api_key_sha256)
+    refuse_exposed(ns.host, keyed, ns.allow_unauthenticated, "--host")
+    cfg.validate()   # refuses a non-loopback --grpc-host without a key too (unless --allow-unauthenticated)
     check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
-    keys = cfg.front_config().api_keys
-    warn_if_exposed(ns.host, keys, "the HTTP server")
-    warn_if_exposed(cfg.grpc_host, keys, "the replicas' gRPC servers")
     stop = _interrupt_event()
     num_workers = cfg.data_parallel_size * (len(cfg.replica_bundles()) - 1)
     if not ns.address:
@@ -415,6 +393,7 @@ def _serve(ns: argparse.Namespace) -> int:
     _interrupt_event(stop)
     if ns.address:
         try:
+            check_ray_token_auth(ns.allow_ray_without_auth)
             cfg.gpus_per_worker = cluster_gpus_per_worker(cfg.device, cfg.gpus_per_worker, num_workers, ns.address)
         except ValueError:
             ray.shutdown()
@@ -434,15 +413,17 @@ def _serve(ns: argparse.Namespace) -> int:
             serve.run(build_app(cfg.to_dict()), name=ns.app_name, route_prefix="/")
         except RuntimeError as exc:   # Serve gave up on a replica whose constructor kept failing
             raise ServeStartError(f"{_deploy_failure(ns.app_name, exc)} (logs: {ray_logs_dir()})") from None
-        health = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.ready_timeout)
-        print(f"shardserve: serving {health['model']} ({files.path}) with TP={cfg.tensor_parallel_size} "
-              f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keys else ''}", flush=True)
-        print(f"  OpenAI API: {scheme}://{local}:{ns.port}/v1  (health: /health, metrics: /metrics)", flush=True)
-        print(f"  context:    {health.get('max_model_len')} tokens per sequence, prompt + output ("
+        replicas = _wait_until_serving(f"{scheme}://{local}:{ns.port}/health", ns.app_name, cfg.data_parallel_size,
+                                       ns.ready_timeout)
+        print(f"shardserve: serving {cfg.served_names()[0]} ({files.path}) with TP={cfg.tensor_parallel_size} "
+              f"x {cfg.data_parallel_size} replica(s){' (API key required)' if keyed else ''}", flush=True)
+        print(f"  OpenAI API: {scheme}://{local}:{ns.port}/v1  (health: /health, metrics: /metrics"
+              f"{', admin: /admin/status' if cfg.front_config().admin_enabled else ''})", flush=True)
+        print(f"  context:    {replicas[0]['info'].get('max_model_len')} tokens per sequence, prompt + output ("
               + ("--max-model-len" if cfg.max_model_len else "the model's limit or what the KV cache holds, the "
                  "smaller; --kv-cache-gib raises the second") + ")", flush=True)
-        for replica in health["replicas"]:
-            print(f"  gRPC API:   {replica['address']} (replica {replica['index']}, shardserve.v1.Inference"
+        for index, replica in enumerate(replicas):
+            print(f"  gRPC API:   {replica['address']} (replica {index}, shardserve.v1.Inference"
                   f"{', TLS' if cfg.grpc_tls_cert else ''})", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         stop.wait()
@@ -518,14 +499,16 @@ def _manifest(ns: argparse.Namespace) -> int:
 
     from shardserve.cluster.manifest import PodLayout, render
 
-    if ns.api_key is not None or ns.api_key_file is not None:
-        raise ValueError("--api-key/--api-key-file would write keys into the manifest: put them in a Secret "
-                         "and pass --api-key-secret NAME[:KEY]")
+    if any(value is not None for value in (ns.api_key, ns.api_key_file, ns.admin_api_key, ns.admin_api_key_file)):
+        raise ValueError("--api-key/--api-key-file/--admin-api-key(-file) would write keys into the manifest: put "
+                         "them in Secrets and pass --api-key-secret NAME[:KEY] (and --admin-api-key-secret)")
     ns.cpus_per_worker = ns.cpus_per_worker or 1.0   # not this machine's cores: the pods' are unknown here
     cfg = _serve_args(ns, read_keys=False)
     layout = PodLayout(name=ns.name, image=ns.image, worker_pods=ns.worker_pods, gpus_per_pod=ns.gpus_per_pod,
                        memory_per_pod=ns.memory_per_pod, head_memory=ns.head_memory, shm_size=ns.shm_size,
-                       surge_pods=ns.surge_pods, api_key_secret=ns.api_key_secret, model_pvc=ns.model_pvc,
+                       surge_pods=ns.surge_pods, api_key_secret=ns.api_key_secret,
+                       admin_api_key_secret=ns.admin_api_key_secret, allow_unauthenticated=ns.allow_unauthenticated,
+                       operator_namespace=ns.operator_namespace, model_pvc=ns.model_pvc,
                        model_mount=ns.model_mount, tls_secret=ns.tls_secret, ssl_certfile=ns.ssl_certfile,
                        ssl_keyfile=ns.ssl_keyfile, upgrade_strategy=ns.upgrade_strategy,
                        service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []))
@@ -555,8 +538,14 @@ def _manifest_flags(parser: argparse.ArgumentParser) -> None:
                         help="extra worker pods an upgrade may add while the new replica loads "
                              "(default: one replica's pods)")
     parser.add_argument("--api-key-secret", default=None, metavar="NAME[:KEY]",
-                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default; default: none, "
-                             "no authentication)")
+                        help="Secret with the API key, passed as SHARDSERVE_API_KEY (key 'api-key' by default); "
+                             "required unless --allow-unauthenticated (default: none)")
+    parser.add_argument("--admin-api-key-secret", default=None, metavar="NAME[:KEY]",
+                        help="Secret with the admin key, passed as SHARDSERVE_ADMIN_API_KEY (key 'admin-api-key' by "
+                             "default; default: none, no admin API)")
+    parser.add_argument("--operator-namespace", default="default",
+                        help="namespace of the KubeRay operator, the only one the NetworkPolicy lets reach the "
+                             "dashboard")
     parser.add_argument("--model-pvc", default=None, help="PersistentVolumeClaim holding the weights (default: none)")
     parser.add_argument("--model-mount", default="/models", help="where --model-pvc is mounted")
     parser.add_argument("--tls-secret", default=None,
@@ -578,7 +567,7 @@ def _generate(ns: argparse.Namespace) -> int:
         raise ValueError("--prompt must not be empty")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
-    params.validate()
+    generate_controls.apply_flags(ns, params).validate()
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
@@ -662,23 +651,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
+    generate_controls.add_flags(gen)
     gen.set_defaults(func=_generate)
 
     grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C",
                               formatter_class=_HelpFormatter)
     _engine_flags(grpc_cmd)
     _cluster_flags(grpc_cmd)
-    _front_flags(grpc_cmd)
+    front_flags(grpc_cmd)
     grpc_cmd.add_argument("--grpc-port", type=_port, default=50051, help="TCP port of the gRPC API; 0 = any free port")
     grpc_cmd.add_argument("--host", default="127.0.0.1",
-                          help="interface the gRPC API binds (0.0.0.0: all; without --api-key a warning)")
+                          help="interface the gRPC API binds (0.0.0.0: all; needs an API key or --allow-unauthenticated)")
     grpc_cmd.set_defaults(func=_serve_grpc)
 
     serve_cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve "
                                             "(tensor-parallel replicas) until Ctrl-C", formatter_class=_HelpFormatter)
     _serve_flags(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1",
-                           help="interface the HTTP API binds (0.0.0.0: all; without --api-key a warning)")
+                           help="interface the HTTP API binds (0.0.0.0: all; needs an API key or --allow-unauthenticated)")
     serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
     serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0,
                            help="seconds to wait for the model to load")
@@ -699,7 +689,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"model to serve (default: {DEFAULT_MODEL}; same as --model)")
     _engine_flags(parser)
     _cluster_flags(parser)
-    _front_flags(parser)
+    front_flags(parser)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="model replicas (each a TP group); requests go to the least-loaded one")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port of the OpenAI HTTP API")

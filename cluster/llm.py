@@ -9,6 +9,7 @@ from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore
 from shardserve.cluster.engine.request import Logprob, SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
+from shardserve.cluster.frontend.structured import GrammarCompiler
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.workers.checkpoint_compat import CheckpointManifest
@@ -69,11 +70,13 @@ class LLM:
                 self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, args.dtype,
                                   seed=args.seed, device=args.device)
             speculator = Speculator(self.drafter, args.speculative_tokens)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-            eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-            args.enable_prefix_caching, speculator=speculator, num_state_slots=self.runner.num_state_slots)
+            eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+            num_state_slots=self.runner.num_state_slots,
+            grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.weights_version = 1   # +1 per reload that changed a tensor
 
     def reload_weights(self, model: str | None = None) -> ReloadResult:

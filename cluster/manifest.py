@@ -2,7 +2,7 @@
 run, made from the same arguments, so Kubernetes manifests come from one source of truth
 (:class:`cluster.serve_app.ServeArgs`) instead of being copied by hand.
 
-What it writes (one document, ``ray.io/v1`` ``RayService``):
+What it writes (a ``ray.io/v1`` ``RayService`` and a ``networking.k8s.io/v1`` ``NetworkPolicy``):
 
 - ``serveConfigV2``: the Serve config of ``build_app`` with the ``ServeArgs`` that differ from their
   defaults (plus the layout ones, always), HTTP on ``0.0.0.0``. Changing it later is an in-place
@@ -20,8 +20,18 @@ What it writes (one document, ``ray.io/v1`` ``RayService``):
 - ``serveService``: the OpenAI API Service; KubeRay owns its selector, so it follows the active
   cluster through a ``NewCluster`` upgrade (a ``rayClusterConfig`` change: a whole new cluster,
   traffic moves once its models are loaded, the old one is deleted after ``drain_timeout_s``).
-- Ray's token authentication through KubeRay's ``authOptions``; the API key, when asked for, comes
-  from a Secret as ``SHARDSERVE_API_KEY`` (never written into the manifest). TLS files come from a
+- Ray's control plane closed: token authentication through KubeRay's ``authOptions``; the dashboard
+  binds the head pod's own address (``$(SHARDSERVE_POD_IP)``, never ``0.0.0.0``) and the Ray client
+  port is not exposed; the ``NetworkPolicy`` lets only the cluster's own pods reach any port (GCS
+  6379, dashboard 8265, workers, the replicas' gRPC), the KubeRay operator reach the dashboard, and
+  anyone reach the Serve port (the Service's port, guarded by the API key).
+- Pods run as a non-root user (uid 1000, the images' ``shardserve``) with a restricted
+  ``securityContext`` (no privilege escalation, every capability dropped, the runtime's seccomp
+  profile) and no service-account token; only KubeRay's autoscaler sidecar, which scales the worker
+  pods through the Kubernetes API, gets one (a projected token mounted into it alone).
+- Keys: an API key Secret is required (``SHARDSERVE_API_KEY``, never written into the manifest;
+  ``--allow-unauthenticated`` opts out), the admin key likewise (``SHARDSERVE_ADMIN_API_KEY``,
+  optional); a ``LoadBalancer`` Service needs a key and HTTPS. TLS files come from a
   ``kubernetes.io/tls`` Secret mounted at ``/etc/shardserve/tls``; ``--ssl-certfile/--ssl-keyfile``
   (HTTPS, and the readiness probe then speaks HTTPS) and ``--grpc-tls-cert/--grpc-tls-key`` name
   files inside the pods, so they are written as given and not looked for on this machine.
@@ -50,6 +60,12 @@ _NCCL_ENV = {"NCCL_SOCKET_IFNAME": "eth0",   # the pod network interface carries
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")   # DNS-1035 label (KubeRay's rule for the name)
 _MAX_NAME = 47                                           # KubeRay appends 6 characters for the cluster
 TLS_MOUNT = "/etc/shardserve/tls"                        # where --tls-secret is mounted
+RUN_AS = 1000                                            # the images' non-root user (Dockerfile*)
+POD_IP_ENV = "SHARDSERVE_POD_IP"                         # the pod's own address (downward API)
+APP_LABEL = "shardserve.io/app"                          # on every pod of the generated cluster
+_TOKEN_VOLUME = "kube-api-access"                        # the autoscaler's projected service-account token
+_TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 
 
 class LayoutError(ValueError):
@@ -69,7 +85,13 @@ class PodLayout:
         shm_size: size of each pod's memory-backed ``/dev/shm`` (default 1Gi, 64Gi with GPUs).
         surge_pods: extra worker pods the autoscaler may add while an upgraded replica loads
             (default: the pods of one replica; 0 pins the size, then an upgrade waits for room).
-        api_key_secret: Secret holding the API key (``NAME`` with key ``api-key``, or ``NAME:KEY``).
+        api_key_secret: Secret holding the API key (``NAME`` with key ``api-key``, or ``NAME:KEY``);
+            required unless ``allow_unauthenticated``.
+        admin_api_key_secret: Secret holding the admin key (``NAME`` with key ``admin-api-key``, or
+            ``NAME:KEY``); none: no admin routes.
+        allow_unauthenticated: generate a cluster whose API needs no key.
+        operator_namespace: namespace of the KubeRay operator (it deploys the app through the
+            dashboard, which the NetworkPolicy opens to it alone).
         model_pvc: PersistentVolumeClaim with the weights, mounted read-only at ``model_mount``.
         tls_secret: Secret with TLS files, mounted read-only at :data:`TLS_MOUNT`.
         ssl_certfile / ssl_keyfile: HTTPS files of Serve's proxy (paths inside the pods).
@@ -87,6 +109,9 @@ class PodLayout:
     shm_size: str | None = None
     surge_pods: int | None = None
     api_key_secret: str | None = None
+    admin_api_key_secret: str | None = None
+    allow_unauthenticated: bool = False
+    operator_namespace: str = "default"
     model_pvc: str | None = None
     model_mount: str = "/models"
     tls_secret: str | None = None
@@ -168,18 +193,45 @@ def _validate(args: ServeArgs, layout: PodLayout) -> None:
         pass   # both given: the files live in the pods
     except ValueError as exc:
         raise LayoutError(str(exc)) from exc
-    try:
-        dataclasses.replace(args, grpc_tls_cert=None, grpc_tls_key=None).validate()
+    try:   # keys come from Secrets in the pods: none is read here, and the check is _check_keys'
+        dataclasses.replace(args, grpc_tls_cert=None, grpc_tls_key=None, api_key=[], admin_api_key=[],
+                            grpc_host="127.0.0.1").validate()
     except ValueError as exc:
         raise LayoutError(str(exc)) from exc
+    _check_keys(layout)
+
+
+def _check_keys(layout: PodLayout) -> None:
+    """Secure defaults: a key Secret unless ``allow_unauthenticated``; a LoadBalancer (reachable from
+    outside the cluster) needs a key and HTTPS.
+
+    Raises:
+        LayoutError: which is missing.
+    """
+    if not layout.api_key_secret and not layout.allow_unauthenticated:
+        raise LayoutError("the API would need no key: pass --api-key-secret NAME[:KEY] (a Secret holding it), or "
+                          "--allow-unauthenticated")
+    if layout.service_type == "LoadBalancer" and not (layout.api_key_secret and layout.ssl_certfile):
+        raise LayoutError("--service-type LoadBalancer exposes the API outside the cluster: it needs "
+                          "--api-key-secret and HTTPS (--tls-secret with --ssl-certfile/--ssl-keyfile)")
 
 
 def app_args(args: ServeArgs) -> dict:
     """The ``args:`` of the Serve application: the layout fields and whatever differs from the
     defaults (so a field added to ``ServeArgs`` later does not change existing manifests)."""
     defaults = ServeArgs()
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs)
-            if f.name not in ("api_key", "api_key_file") and (f.name in _ALWAYS_ARGS or getattr(args, f.name) != getattr(defaults, f.name))}
+    secret = ("api_key", "api_key_file", "api_key_sha256", "admin_api_key", "admin_api_key_file",
+              "admin_api_key_sha256", "allow_unauthenticated")
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs)
+           if f.name not in secret and (f.name in _ALWAYS_ARGS or getattr(args, f.name) != getattr(defaults, f.name))}
+    return out
+
+
+def _app_args_for(args: ServeArgs, layout: PodLayout) -> dict:
+    out = app_args(args)
+    if layout.allow_unauthenticated:
+        out["allow_unauthenticated"] = True   # the gRPC servers bind 0.0.0.0 without a key
+    return out
 
 
 def serve_config(args: ServeArgs, layout: PodLayout) -> dict:
@@ -190,7 +242,8 @@ def serve_config(args: ServeArgs, layout: PodLayout) -> dict:
     return {"proxy_location": "EveryNode",
             "http_options": http_options,
             "applications": [{"name": "shardserve", "route_prefix": "/",
-                              "import_path": "shardserve.cluster.serve_app:build_app", "args": app_args(args)}]}
+                              "import_path": "shardserve.cluster.serve_app:build_app",
+                              "args": _app_args_for(args, layout)}]}
 
 
 def _env(args: ServeArgs, layout: PodLayout) -> dict:
@@ -198,11 +251,36 @@ def _env(args: ServeArgs, layout: PodLayout) -> dict:
     env = dict(_NCCL_ENV) if args.worker_gpus() else {}
     env.update(layout.env)
     out = [{"name": key, "value": value} for key, value in env.items()]
-    if layout.api_key_secret:
-        name, _, key = layout.api_key_secret.partition(":")
-        out.append({"name": "SHARDSERVE_API_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": name, "key": key or "api-key"}}})
-    return {"env": out} if out else {}
+    out.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    for variable, secret, default_key in (("SHARDSERVE_API_KEY", layout.api_key_secret, "api-key"),
+                                          ("SHARDSERVE_ADMIN_API_KEY", layout.admin_api_key_secret, "admin-api-key")):
+        if secret:
+            name, _, key = secret.partition(":")
+            out.append({"name": variable, "valueFrom": {"secretKeyRef": {"name": name, "key": key or default_key}}})
+    return {"env": out}
+
+
+def _restricted() -> dict:
+    """A container's restricted securityContext (Kubernetes' "restricted" Pod Security Standard)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_spec(containers: list[dict], volumes: list[dict]) -> dict:
+    """A pod: non-root, no service-account token, the runtime's seccomp profile."""
+    return {"automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": containers, "volumes": volumes}
+
+
+def _token_volume() -> dict:
+    """The service-account token of KubeRay's autoscaler sidecar (mounted into it alone), as the
+    kubelet's own ``kube-api-access`` volume: token, cluster CA and namespace."""
+    return {"name": _TOKEN_VOLUME, "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
 
 
 def _volumes(layout: PodLayout, shm_size: str) -> tuple[list[dict], list[dict]]:
@@ -217,19 +295,23 @@ def _volumes(layout: PodLayout, shm_size: str) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _head(args: ServeArgs, layout: PodLayout) -> dict:
+def _head(args: ServeArgs, layout: PodLayout, autoscaled: bool) -> dict:
     volumes, mounts = _volumes(layout, "1Gi")
     resources = {"cpu": "2", "memory": layout.head_memory}
     container = {
         "name": "ray-head", "image": layout.image, **_env(args, layout),
+        # No Ray client port (10001): nothing outside the cluster drives Ray; the dashboard is for the operator.
         "ports": [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
-                  {"containerPort": 10001, "name": "client"}, {"containerPort": layout.http_port, "name": "serve"}],
+                  {"containerPort": layout.http_port, "name": "serve"}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "volumeMounts": mounts}
+        "volumeMounts": mounts, "securityContext": _restricted()}
+    if autoscaled:
+        volumes = volumes + [_token_volume()]
     # num-cpus 0: no replica, router or rank lands on the head (KubeRay deploys the app once the head
-    # is ready, so the head keeps KubeRay's own probes; traffic goes to the worker pods).
-    return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-            "template": {"spec": {"containers": [container], "volumes": volumes}}}
+    # is ready, so the head keeps KubeRay's own probes; traffic goes to the worker pods). The
+    # dashboard binds the pod's own address (the kubelet expands $(VAR) in the container's command).
+    return {"rayStartParams": {"dashboard-host": f"$({POD_IP_ENV})", "num-cpus": "0"},
+            "template": {"metadata": {"labels": {APP_LABEL: layout.name}}, "spec": _pod_spec([container], volumes)}}
 
 
 def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
@@ -242,19 +324,20 @@ def _worker_group(args: ServeArgs, layout: PodLayout, placed: Fit) -> dict:
         "name": "ray-worker", "image": layout.image, **_env(args, layout),
         "ports": [{"containerPort": layout.http_port, "name": "serve"}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "volumeMounts": mounts,
+        "volumeMounts": mounts, "securityContext": _restricted(),
         # Ready once this pod's Serve proxy reaches a loaded model (503 while loading); pods that
         # hold no Serve replica run no proxy and stay unready, as with KubeRay's default probe.
         "readinessProbe": {"httpGet": {"path": "/health", "port": layout.http_port,
                                        **({"scheme": "HTTPS"} if layout.ssl_certfile else {})},
                            "periodSeconds": 5, "timeoutSeconds": 4, "failureThreshold": 2}}
-    spec: dict = {"containers": [container], "volumes": volumes}
+    spec = _pod_spec([container], volumes)
     if placed.gpus_per_pod:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     group = "gpu-workers" if placed.gpus_per_pod else "cpu-workers"
     return {"groupName": group, "replicas": placed.worker_pods, "minReplicas": placed.worker_pods,
             "maxReplicas": placed.worker_pods + placed.surge_pods,
-            "rayStartParams": {"num-cpus": str(placed.cpus_per_pod)}, "template": {"spec": spec}}
+            "rayStartParams": {"num-cpus": str(placed.cpus_per_pod)},
+            "template": {"metadata": {"labels": {APP_LABEL: layout.name}}, "spec": spec}}
 
 
 def rayservice(args: ServeArgs, layout: PodLayout) -> dict:
@@ -271,11 +354,14 @@ def rayservice(args: ServeArgs, layout: PodLayout) -> dict:
                           "--api-key-secret NAME")
     placed = fit(args, layout)
     cluster: dict = {"rayVersion": RAY_VERSION, "authOptions": {"mode": "token"},
-                     "headGroupSpec": _head(args, layout),
+                     "headGroupSpec": _head(args, layout, autoscaled=bool(placed.surge_pods)),
                      "workerGroupSpecs": [_worker_group(args, layout, placed)]}
     if placed.surge_pods:
         cluster["enableInTreeAutoscaling"] = True
-        cluster["autoscalerOptions"] = {"idleTimeoutSeconds": 120, "upscalingMode": "Default"}
+        cluster["autoscalerOptions"] = {"idleTimeoutSeconds": 120, "upscalingMode": "Default",
+                                        "securityContext": _restricted(),
+                                        "volumeMounts": [{"name": _TOKEN_VOLUME, "mountPath": _TOKEN_PATH,
+                                                          "readOnly": True}]}
     spec = {
         "upgradeStrategy": {"type": layout.upgrade_strategy},
         # a replaced cluster stays up while its running requests finish
@@ -296,6 +382,21 @@ class _Dumper(yaml.SafeDumper):
 
 _Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
     "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+
+
+def network_policy(layout: PodLayout) -> dict:
+    """The ``NetworkPolicy`` of the generated cluster's pods (label :data:`APP_LABEL`): every port
+    from the cluster's own pods (Ray's GCS, dashboard, object and worker ports, the replicas'
+    gRPC), the dashboard from the KubeRay operator, and only the Serve port from anywhere else."""
+    own = {"podSelector": {"matchLabels": {APP_LABEL: layout.name}}}
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": layout.operator_namespace}},
+                "podSelector": {"matchLabels": dict(_OPERATOR_LABELS)}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{layout.name}-ray"},
+            "spec": {"podSelector": {"matchLabels": {APP_LABEL: layout.name}}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [own]},
+                                 {"from": [operator], "ports": [{"protocol": "TCP", "port": 8265}]},
+                                 {"ports": [{"protocol": "TCP", "port": layout.http_port}]}]}}
 
 
 def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
@@ -325,5 +426,10 @@ def render(args: ServeArgs, layout: PodLayout, command: str) -> str:
     if layout.tls_secret:
         lines.append(f"# TLS files: kubectl create secret tls {layout.tls_secret} --cert=tls.crt --key=tls.key "
                      f"(mounted at {TLS_MOUNT})")
-    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    if layout.admin_api_key_secret:
+        secret = layout.admin_api_key_secret.partition(":")
+        lines.append(f"# Admin key: kubectl create secret generic {secret[0]} "
+                     f"--from-literal={secret[2] or 'admin-api-key'}=...")
+    body = yaml.dump_all([doc, network_policy(layout)], Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                         width=120)
     return "\n".join(lines) + "\n" + body

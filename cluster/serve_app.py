@@ -16,9 +16,12 @@ serve`` both deploy ``shardserve.cluster.serve_app:build_app``):
   forwards requests over the same gRPC API external clients use, to the replica with the fewest
   outstanding tokens (see :mod:`cluster.frontend.openai_router`).
 
-API keys (``api_key``, ``api_key_file`` or ``$SHARDSERVE_API_KEY``, resolved once by
-:func:`build_app`) guard the router's HTTP app (admin routes included) and every replica's gRPC
-server alike; see :mod:`cluster.frontend.security`.
+API keys (``api_key_file``, ``api_key`` or ``$SHARDSERVE_API_KEY``; admin keys likewise with
+``admin_``) are read once, by :func:`build_app`, and only their SHA-256 digests travel to the
+deployments (``api_key_sha256`` / ``admin_api_key_sha256``: no key in Serve's init args); they
+guard the router's HTTP app and every replica's gRPC server alike. The router calls each replica
+with the internal token that replica made at start-up and reports in :meth:`ModelReplica.status`;
+see :mod:`cluster.frontend.security`.
 
 A replica whose shard or draft worker dies repairs itself in place (``cluster/replica/recovery.py``) and
 reports ``recovering`` meanwhile; only when that fails (``recovery_timeout``) does its health
@@ -52,7 +55,11 @@ from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.replica_pool import FAILED, READY, RECOVERING
-from shardserve.cluster.frontend.security import DEFAULT_MAX_QUEUED_REQUESTS, FrontConfig, load_api_keys
+from shardserve.cluster.frontend.limits import (
+    DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits)
+from shardserve.cluster.frontend.security import (
+    DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_RELOAD_DRAIN_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, FrontConfig, key_digest,
+    load_admin_keys, load_api_keys, refuse_exposed)
 from shardserve.cluster.replica.worker_group import GroupConfig
 from shardserve.workers.model_source import DEFAULT_MODEL, check_model, known_model_names
 
@@ -85,11 +92,19 @@ class ServeArgs:
             dsa_sink, speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager,
             recovery_timeout, quantization: engine settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
-        api_key: accepted API keys, comma-separated or a list (hidden from ``repr``);
+        api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
             (a Kubernetes manifest sets neither and passes the key from a Secret in that variable).
+            api_key_sha256: SHA-256 digests (hex) of more accepted keys (what the deployments get).
+        admin_api_key / admin_api_key_file / admin_api_key_sha256: the admin keys, the same way
+            (``$SHARDSERVE_ADMIN_API_KEY``); none: no admin routes or methods.
+        allow_unauthenticated: let the gRPC servers bind a non-loopback ``grpc_host`` without a key.
+        allowed_model_root: folder weight reloads may read (default: the served model's folder).
+        reload_drain_timeout: seconds a drain reload waits for running requests before it is refused.
+        max_request_body_bytes, max_prompt_chars, max_choices, rate_limit_requests,
+            rate_limit_tokens: limits before work (see :mod:`cluster.frontend.limits`).
         max_queued_requests: requests that may wait per replica before new ones get 429.
-        request_timeout: seconds a request may take (None: no limit); past it, 408.
+        request_timeout: seconds a request may take (None: no limit; default 600); past it, 408.
         grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
             every node); the router trusts the certificate when it dials them.
     """
@@ -129,8 +144,20 @@ class ServeArgs:
     quantization: str = "none"
     api_key: str | list[str] | None = field(default=None, repr=False)
     api_key_file: str | None = None
+    api_key_sha256: list[str] | None = None
+    admin_api_key: str | list[str] | None = field(default=None, repr=False)
+    admin_api_key_file: str | None = None
+    admin_api_key_sha256: list[str] | None = None
+    allow_unauthenticated: bool = False
+    allowed_model_root: str | None = None
+    reload_drain_timeout: float = DEFAULT_RELOAD_DRAIN_TIMEOUT_S
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    max_choices: int = DEFAULT_MAX_CHOICES
+    rate_limit_requests: int | None = None
+    rate_limit_tokens: int | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    request_timeout: float | None = None
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
 
@@ -157,7 +184,9 @@ class ServeArgs:
         """Raises ValueError for inconsistent settings (engine and front checks included), or
         FileNotFoundError for a key or certificate file that does not exist."""
         self.engine_args().validate()
-        self.front_config().validate()
+        front = self.front_config()
+        front.validate()
+        refuse_exposed(self.grpc_host, front.requires_key, self.allow_unauthenticated, "grpc_host")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -188,10 +217,25 @@ class ServeArgs:
         return self.gpus_per_worker or (1.0 if self.device == "cuda" else 0.0)
 
     def front_config(self) -> FrontConfig:
-        """What the router and the replicas' gRPC servers enforce (keys read here)."""
-        return FrontConfig(api_keys=load_api_keys(self.api_key, self.api_key_file),
+        """What the router and the replicas' gRPC servers enforce (keys read here, kept as digests)."""
+        api = [key_digest(k) for k in load_api_keys(self.api_key, self.api_key_file)] + list(self.api_key_sha256 or [])
+        admin = [key_digest(k) for k in load_admin_keys(self.admin_api_key, self.admin_api_key_file)]
+        admin += list(self.admin_api_key_sha256 or [])
+        limits = Limits(max_request_body_bytes=self.max_request_body_bytes, max_prompt_chars=self.max_prompt_chars,
+                        max_choices=self.max_choices, rate_limit_requests=self.rate_limit_requests,
+                        rate_limit_tokens=self.rate_limit_tokens)
+        return FrontConfig(api_key_digests=list(dict.fromkeys(api)), admin_key_digests=list(dict.fromkeys(admin)),
                            max_queued_requests=self.max_queued_requests, request_timeout=self.request_timeout,
-                           grpc_tls_cert=self.grpc_tls_cert, grpc_tls_key=self.grpc_tls_key)
+                           grpc_tls_cert=self.grpc_tls_cert, grpc_tls_key=self.grpc_tls_key,
+                           allowed_model_root=self.allowed_model_root, reload_drain_timeout=self.reload_drain_timeout,
+                           limits=limits)
+
+    def with_key_digests(self) -> ServeArgs:
+        """These arguments with every key read and replaced by its digest (what the deployments get)."""
+        front = self.front_config()
+        return dataclasses.replace(self, api_key=[], api_key_file=None, api_key_sha256=front.api_key_digests,
+                                   admin_api_key=[], admin_api_key_file=None,
+                                   admin_api_key_sha256=front.admin_key_digests)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -271,12 +315,15 @@ class ModelReplica:
             return await coordinator.start_grpc(0, self.args.grpc_host)
 
     async def status(self) -> dict:
-        """``{"state": ready|recovering|failed, "address", "error", "info"}`` (info: ModelInfo dict)."""
+        """``{"state": ready|recovering|failed, "address", "error", "info", "token"}`` (info: ModelInfo
+        dict; token: the internal token the router authenticates with)."""
         coordinator = self.coordinator
         info = coordinator.model_info()
         state = READY if info["healthy"] else RECOVERING if coordinator.recovering else FAILED
+        # NOTE: "token" is this replica's internal credential: the router's only way in. Status
+        # goes over Ray to the router (and the CLI that started the app), never to a client.
         return {"state": state, "address": self.address, "error": coordinator.failed or coordinator.error,
-                "info": info}
+                "info": info, "token": coordinator.internal_token}
 
     async def check_health(self) -> None:
         """Serve's health check: a dead worker the replica could not repair in place
@@ -350,7 +397,7 @@ class OpenAIRouter:
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called after ``__init__``: the app that answers HTTP on this replica."""
-        return build_openai_app(self.core, self.front.api_keys)
+        return build_openai_app(self.core, self.front)
 
     async def __del__(self) -> None:
         await self.core.close()
@@ -366,8 +413,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     """
     cfg = ServeArgs.from_dict(args)
     check_model(cfg.model)
-    # Keys are read once, here (the environment of whoever builds the app), and passed to every deployment.
-    cfg.api_key, cfg.api_key_file = load_api_keys(cfg.api_key, cfg.api_key_file), None
+    # Keys are read once, here (the environment of whoever builds the app); only digests go on.
+    cfg = cfg.with_key_digests()
     raw = cfg.to_dict()
     shutdown_s = cfg.drain_timeout_s + _SHUTDOWN_MARGIN_S   # Serve kills a stopping replica after this
     replicas = [

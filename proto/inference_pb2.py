@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n shardserve/proto/inference.proto\x12\rshardserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.shardserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.shardserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.shardserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.shardserve.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.shardserve.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.shardserve.v1.Usage\"P\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.shardserve.v1.ChatH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xbf\x06\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\x12\x14\n\x0ctensor_split\x18\x06 \x03(\x02\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\x05\x12\x13\n\x0bnum_running\x18\n \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\x05\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x12\n\ncollective\x18\r \x01(\t\x12\x10\n\x08\x64ispatch\x18\x0e \x01(\t\x12\x1a\n\x12speculative_tokens\x18\x0f \x01(\x05\x12\x17\n\x0fspec_num_drafts\x18\x10 \x01(\x03\x12\x1d\n\x15spec_num_draft_tokens\x18\x11 \x01(\x03\x12 \n\x18spec_num_accepted_tokens\x18\x12 \x01(\x03\x12\x1c\n\x14spec_acceptance_rate\x18\x13 \x03(\x02\x12#\n\x1bspec_mean_acceptance_length\x18\x14 \x01(\x02\x12\x17\n\x0fweights_version\x18\x15 \x01(\x03\x12\x17\n\x0fworker_restarts\x18\x16 \x01(\x03\x12\x12\n\nrecovering\x18\x17 \x01(\x08\x12\x18\n\x10\x61\x64mission_paused\x18\x18 \x01(\x08\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x19 \x01(\x03\x12-\n\x07workers\x18\x1a \x03(\x0b\x32\x1c.shardserve.v1.WorkerProcess\x12\x18\n\x10\x63oordinator_node\x18\x1b \x01(\t\x12\x12\n\nrank_nodes\x18\x1c \x03(\t\x12\x15\n\rrank_node_ips\x18\x1d \x03(\t\x12\x11\n\tnum_nodes\x18\x1e \x01(\x05\x12\x10\n\x08\x64raining\x18\x1f \x01(\x08\x12\x18\n\x10\x61sync_scheduling\x18  \x01(\x08\x12\x17\n\x0fnum_preemptions\x18! \x01(\x03\"d\n\rWorkerProcess\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x14\n\x0c\x62undle_index\x18\x04 \x01(\x05\x12\x14\n\x0cweight_loads\x18\x05 \x01(\x05\"3\n\x14ReloadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\"\x8f\x01\n\x15ReloadWeightsResponse\x12\x17\n\x0f\x63hanged_tensors\x18\x01 \x01(\x05\x12\x19\n\x11unchanged_tensors\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x17\n\x0fweights_version\x18\x04 \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x05\x32\xd3\x02\n\tInference\x12M\n\x08Generate\x12\x1e.shardserve.v1.GenerateRequest\x1a\x1f.shardserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.shardserve.v1.TokenizeRequest\x1a\x1f.shardserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.shardserve.v1.ModelInfoRequest\x1a .shardserve.v1.ModelInfoResponse\x12Z\n\rReloadWeights\x12#.shardserve.v1.ReloadWeightsRequest\x1a$.shardserve.v1.ReloadWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n shardserve/proto/inference.proto\x12\rshardserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.shardserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12<\n\x12structured_outputs\x18\x0b \x01(\x0b\x32 .shardserve.v1.StructuredOutputs\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.shardserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xb0\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.shardserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.shardserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.shardserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.shardserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x0e\n\x06tenant\x18\x15 \x01(\t\x12\x10\n\x08group_id\x18\x16 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.shardserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\"\xb2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.shardserve.v1.Usage\"P\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.shardserve.v1.ChatH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xdd\x06\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\x12\x14\n\x0ctensor_split\x18\x06 \x03(\x02\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\x05\x12\x13\n\x0bnum_running\x18\n \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\x05\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x12\n\ncollective\x18\r \x01(\t\x12\x10\n\x08\x64ispatch\x18\x0e \x01(\t\x12\x1a\n\x12speculative_tokens\x18\x0f \x01(\x05\x12\x17\n\x0fspec_num_drafts\x18\x10 \x01(\x03\x12\x1d\n\x15spec_num_draft_tokens\x18\x11 \x01(\x03\x12 \n\x18spec_num_accepted_tokens\x18\x12 \x01(\x03\x12\x1c\n\x14spec_acceptance_rate\x18\x13 \x03(\x02\x12#\n\x1bspec_mean_acceptance_length\x18\x14 \x01(\x02\x12\x17\n\x0fweights_version\x18\x15 \x01(\x03\x12\x17\n\x0fworker_restarts\x18\x16 \x01(\x03\x12\x12\n\nrecovering\x18\x17 \x01(\x08\x12\x18\n\x10\x61\x64mission_paused\x18\x18 \x01(\x08\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x19 \x01(\x03\x12-\n\x07workers\x18\x1a \x03(\x0b\x32\x1c.shardserve.v1.WorkerProcess\x12\x18\n\x10\x63oordinator_node\x18\x1b \x01(\t\x12\x12\n\nrank_nodes\x18\x1c \x03(\t\x12\x15\n\rrank_node_ips\x18\x1d \x03(\t\x12\x11\n\tnum_nodes\x18\x1e \x01(\x05\x12\x10\n\x08\x64raining\x18\x1f \x01(\x08\x12\x18\n\x10\x61sync_scheduling\x18  \x01(\x08\x12\x17\n\x0fnum_preemptions\x18! \x01(\x03\x12\x1c\n\x14num_grammar_matchers\x18\" \x01(\x05\"d\n\rWorkerProcess\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x14\n\x0c\x62undle_index\x18\x04 \x01(\x05\x12\x14\n\x0cweight_loads\x18\x05 \x01(\x05\"3\n\x14ReloadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\"\x8f\x01\n\x15ReloadWeightsResponse\x12\x17\n\x0f\x63hanged_tensors\x18\x01 \x01(\x05\x12\x19\n\x11unchanged_tensors\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x17\n\x0fweights_version\x18\x04 \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x05\x32\xd3\x02\n\tInference\x12M\n\x08Generate\x12\x1e.shardserve.v1.GenerateRequest\x1a\x1f.shardserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.shardserve.v1.TokenizeRequest\x1a\x1f.shardserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.shardserve.v1.ModelInfoRequest\x1a .shardserve.v1.ModelInfoResponse\x12Z\n\rReloadWeights\x12#.shardserve.v1.ReloadWeightsRequest\x1a$.shardserve.v1.ReloadWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardserve.proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=51
   _globals['_CHATMESSAGE']._serialized_end=95
   _globals['_CHAT']._serialized_start=97
@@ -38,31 +40,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=151
   _globals['_TOKENIDS']._serialized_end=174
   _globals['_SAMPLINGPARAMS']._serialized_start=177
-  _globals['_SAMPLINGPARAMS']._serialized_end=487
-  _globals['_GENERATEREQUEST']._serialized_start=490
-  _globals['_GENERATEREQUEST']._serialized_end=685
-  _globals['_TOPLOGPROB']._serialized_start=687
-  _globals['_TOPLOGPROB']._serialized_end=734
-  _globals['_TOKENLOGPROB']._serialized_start=736
-  _globals['_TOKENLOGPROB']._serialized_end=825
-  _globals['_USAGE']._serialized_start=827
-  _globals['_USAGE']._serialized_end=884
-  _globals['_GENERATERESPONSE']._serialized_start=887
-  _globals['_GENERATERESPONSE']._serialized_end=1065
-  _globals['_TOKENIZEREQUEST']._serialized_start=1067
-  _globals['_TOKENIZEREQUEST']._serialized_end=1147
-  _globals['_TOKENIZERESPONSE']._serialized_start=1149
-  _globals['_TOKENIZERESPONSE']._serialized_end=1186
-  _globals['_MODELINFOREQUEST']._serialized_start=1188
-  _globals['_MODELINFOREQUEST']._serialized_end=1206
-  _globals['_MODELINFORESPONSE']._serialized_start=1209
-  _globals['_MODELINFORESPONSE']._serialized_end=2040
-  _globals['_WORKERPROCESS']._serialized_start=2042
-  _globals['_WORKERPROCESS']._serialized_end=2142
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=2144
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=2195
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=2198
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=2341
-  _globals['_INFERENCE']._serialized_start=2344
-  _globals['_INFERENCE']._serialized_end=2683
+  _globals['_SAMPLINGPARAMS']._serialized_end=913
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=701
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=749
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=916
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1092
+  _globals['_CHOICES']._serialized_start=1094
+  _globals['_CHOICES']._serialized_end=1120
+  _globals['_GENERATEREQUEST']._serialized_start=1123
+  _globals['_GENERATEREQUEST']._serialized_end=1372
+  _globals['_TOPLOGPROB']._serialized_start=1374
+  _globals['_TOPLOGPROB']._serialized_end=1421
+  _globals['_TOKENLOGPROB']._serialized_start=1423
+  _globals['_TOKENLOGPROB']._serialized_end=1512
+  _globals['_USAGE']._serialized_start=1514
+  _globals['_USAGE']._serialized_end=1594
+  _globals['_GENERATERESPONSE']._serialized_start=1597
+  _globals['_GENERATERESPONSE']._serialized_end=1775
+  _globals['_TOKENIZEREQUEST']._serialized_start=1777
+  _globals['_TOKENIZEREQUEST']._serialized_end=1857
+  _globals['_TOKENIZERESPONSE']._serialized_start=1859
+  _globals['_TOKENIZERESPONSE']._serialized_end=1896
+  _globals['_MODELINFOREQUEST']._serialized_start=1898
+  _globals['_MODELINFOREQUEST']._serialized_end=1916
+  _globals['_MODELINFORESPONSE']._serialized_start=1919
+  _globals['_MODELINFORESPONSE']._serialized_end=2780
+  _globals['_WORKERPROCESS']._serialized_start=2782
+  _globals['_WORKERPROCESS']._serialized_end=2882
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=2884
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=2935
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=2938
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=3081
+  _globals['_INFERENCE']._serialized_start=3084
+  _globals['_INFERENCE']._serialized_end=3423
 # @@protoc_insertion_point(module_scope)

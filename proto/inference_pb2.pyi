@@ -27,7 +27,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "structured_outputs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +45,14 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -48,21 +63,57 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    structured_outputs: StructuredOutputs
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StructuredOutputs(_message.Message):
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    disable_any_whitespace: bool
+    def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "cache_salt", "tenant", "group_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: Chat
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    tenant: str
+    group_id: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -83,12 +134,14 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
@@ -125,7 +178,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining", "async_scheduling", "num_preemptions")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining", "async_scheduling", "num_preemptions", "num_grammar_matchers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +212,7 @@ class ModelInfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GRAMMAR_MATCHERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -192,7 +246,8 @@ class ModelInfoResponse(_message.Message):
     draining: bool
     async_scheduling: bool
     num_preemptions: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_grammar_matchers: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., num_grammar_matchers: _Optional[int] = ...) -> None: ...
 
 class WorkerProcess(_message.Message):
     __slots__ = ("role", "rank", "pid", "bundle_index", "weight_loads")

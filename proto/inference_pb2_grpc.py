@@ -82,7 +82,9 @@ class InferenceServicer:
 
     def ReloadWeights(self, request, context):
         """Hot-swap the weights that changed on disk (INVALID_ARGUMENT naming the first bad tensor when
-        the checkpoint cannot replace the served one; the old weights then keep serving).
+        the checkpoint cannot replace the served one; the old weights then keep serving). Admin only:
+        UNIMPLEMENTED without an admin key configured, PERMISSION_DENIED for an inference key,
+        FAILED_PRECONDITION when another reload holds the cluster's lock or the drain timed out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

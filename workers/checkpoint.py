@@ -151,6 +151,23 @@ class Checkpoint:
         return tensor
 
 
+def check_shard_name(folder: Path, fname) -> None:
+    """A shard named by an index must be a file of ``folder`` itself: no path, no ``..``, no link out.
+    Checked before the file system is asked whether it exists (the answer tells nothing of outside files).
+
+    Raises:
+        CheckpointError: it is not.
+    """
+    if not isinstance(fname, str) or not fname or fname in (".", "..") or Path(fname).name != fname \
+            or "\\" in fname or "\x00" in fname:
+        raise CheckpointError(f"{folder}: shard name {fname!r} in model.safetensors.index.json is not a file name "
+                              "of the checkpoint folder")
+    real_folder = os.path.realpath(folder)
+    if os.path.dirname(os.path.realpath(folder / fname)) != real_folder:
+        raise CheckpointError(f"{folder}: shard {fname!r} in model.safetensors.index.json links outside the "
+                              "checkpoint folder")
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """A HF checkpoint folder: ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
 
@@ -158,8 +175,9 @@ class SafetensorsCheckpoint(Checkpoint):
         path: the checkpoint folder.
 
     Raises:
-        CheckpointError: no safetensors file, a shard listed in the index is missing, or a file is
-            truncated / not a safetensors file.
+        CheckpointError: no safetensors file, a shard listed in the index is missing or is not a
+            file of this folder (a path, ``..``, a link that leaves it), or a file is truncated /
+            not a safetensors file.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -170,6 +188,8 @@ class SafetensorsCheckpoint(Checkpoint):
         if index_file.is_file():
             weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
+            for fname in files:
+                check_shard_name(self.path, fname)
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.workers.checkpoint import CheckpointError, open_checkpoint
+from shardserve.workers.checkpoint import CheckpointError, check_shard_name, open_checkpoint
 from shardserve.workers.model_source import ModelFiles, load_config
 
 # Configuration keys that describe the files, not the model.
@@ -103,6 +103,8 @@ def check_complete(path: str | Path) -> None:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for name in files:
+            check_shard_name(path, name)
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:

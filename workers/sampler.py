@@ -115,16 +115,18 @@ def _noise(options: list[SamplingOptions], output_indices: list[int], vocab: int
 
 
 def sample_on_device(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     generator: torch.Generator | None = None, logprob_logits: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row, on the logits' device, without reading anything back: greedy rows
     take the argmax, the others race their filtered probabilities against ``Exp(1)`` noise (no
     Python branching on device values; the random rows' settings and indices cross in one copy).
 
     Args:
-        logits: ``[N, V]`` float32 raw model logits.
+        logits: ``[N, V]`` float32 model logits (after grammar masks and penalties, if any).
         options: per-row sampling options.
         output_indices: per-row index of the output token being drawn (seeded streams).
         generator: source of noise for unseeded rows (None: torch's default).
+        logprob_logits: ``[N, V]`` the raw logits whose logprobs are reported (default: ``logits``).
 
     Returns:
         ``(token ids [N] int64, log_softmax of the raw logits [N, V] or an empty tensor if no row
@@ -142,14 +144,16 @@ def sample_on_device(logits: torch.Tensor, options: list[SamplingOptions], outpu
         sampled = (probs / noise).argmax(dim=-1)
         tokens = sampled if every_row else tokens.index_copy(0, rows, sampled)
     want_logprobs = any(o.logprobs is not None for o in options)
-    return tokens, logits.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
+    raw = logits if logprob_logits is None else logprob_logits
+    return tokens, raw.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
 
 
 def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-           generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+           generator: torch.Generator | None = None, logprob_logits: torch.Tensor | None = None,
+           ) -> tuple[list[int], torch.Tensor]:
     """:func:`sample_on_device` with the token ids read back: ``(token ids, logprobs [N, V] or an
     empty tensor)``."""
-    tokens, logprobs = sample_on_device(logits, options, output_indices, generator)
+    tokens, logprobs = sample_on_device(logits, options, output_indices, generator, logprob_logits)
     return tokens.tolist(), logprobs
 
 
@@ -247,14 +251,16 @@ def verify_drafts(logits: torch.Tensor, option: SamplingOptions, draft_ids: list
 
 
 def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], options: list[SamplingOptions],
-                       generator: torch.Generator | None = None) -> list[SampledToken]:
+                       generator: torch.Generator | None = None,
+                       logprob_logits: torch.Tensor | None = None) -> list[SampledToken]:
     """Rank 0's sampling for a step in which some requests verify drafts.
 
     Args:
         logits: ``[sum(1 + num_spec_tokens), V]`` float32: per sampling request, its
-            ``num_spec_tokens + 1`` last rows in order.
+            ``num_spec_tokens + 1`` last rows in order (after grammar masks and penalties).
         sampling: the plan's sampling requests. options: their settings.
         generator: noise for unseeded requests.
+        logprob_logits: the raw logits, same shape, whose logprobs are reported (default: ``logits``).
 
     Returns:
         Per request, in order: its accepted drafts and then one sampled token (plain requests: one).
@@ -268,10 +274,12 @@ def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], o
         row += 1 + sched.num_spec_tokens
     assert row == logits.shape[0], f"{logits.shape[0]} logit rows, expected {row}"
     per_request: list[list[SampledToken]] = [[] for _ in sampling]
+    raw = logits if logprob_logits is None else logprob_logits
     if plain:
         opts = [options[i] for i in plain]
-        tokens, logprobs = sample(logits[torch.tensor([starts[i] for i in plain], device=logits.device)], opts,
-                                  [sampling[i].output_index for i in plain], generator)
+        index = torch.tensor([starts[i] for i in plain], device=logits.device)
+        tokens, logprobs = sample(logits[index], opts, [sampling[i].output_index for i in plain], generator,
+                                  raw[index])
         for i, out in zip(plain, sampled_tokens([sampling[i].req_id for i in plain], tokens, logprobs, opts)):
             per_request[i] = [out]
     for i, sched in enumerate(sampling):
@@ -281,6 +289,7 @@ def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], o
         rows = logits[starts[i]:starts[i] + num_spec + 1]
         tokens = verify_drafts(rows, options[i], sched.token_ids[-num_spec:], sched.draft_probs,
                                sched.output_index, generator)
-        logprobs = rows[:len(tokens)].log_softmax(dim=-1) if options[i].logprobs is not None else rows.new_empty(0)
+        raw_rows = raw[starts[i]:starts[i] + len(tokens)]
+        logprobs = raw_rows.log_softmax(dim=-1) if options[i].logprobs is not None else rows.new_empty(0)
         per_request[i] = sampled_tokens([sched.req_id] * len(tokens), tokens, logprobs, [options[i]] * len(tokens))
     return [token for tokens in per_request for token in tokens]

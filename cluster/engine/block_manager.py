@@ -5,6 +5,11 @@ and its predecessor's hash, so equal hashes mean equal prefixes; a hit is confir
 token ids (guards hash collisions). Blocks are hashed only once full. Freed blocks keep their
 hash and stay reusable until evicted from the front of the free queue. Block ids are shared by
 every cache of a sequence (KV, MLA latent, DSA indexer keys, draft model caches).
+
+Tenants: the chain of a request starts from its ``cache_seed`` (:func:`cache_seed` of its tenant,
+the API key's digest, and its own ``cache_salt``, as vLLM's ``cache_salt``), so requests of
+different keys or salts never share a block: one tenant cannot learn from hit timings or counts
+whether another sent a prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ def block_hash(parent: int | None, token_ids: list[int]) -> int:
     h.update((parent or 0).to_bytes(8, "little", signed=False))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.intdigest()
+
+
+def cache_seed(tenant: str = "", cache_salt: str = "") -> int:
+    """The first parent hash of a request's block chain: 0 (shared) when both are empty."""
+    if not tenant and not cache_salt:
+        return 0
+    return xxhash.xxh3_64_intdigest(f"{tenant}\x00{cache_salt}".encode("utf-8", "surrogatepass")) or 1
 
 
 class BlockManager:
@@ -69,7 +81,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         tokens = request.all_token_ids
-        hits, parent = [], None
+        hits, parent = [], request.cache_seed
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
             parent = block_hash(parent, chunk)
@@ -100,6 +112,7 @@ class BlockManager:
         request.block_ids.extend(computed_blocks)
         request.num_cached_blocks = len(request.block_ids)
         self.prefix_hits += len(computed_blocks) * self.block_size
+        request.num_cached_tokens = max(request.num_cached_tokens, len(computed_blocks) * self.block_size)
         for _ in range(max(need, 0)):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -120,7 +133,7 @@ class BlockManager:
         # is still being sampled.
         num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(request.block_ids))
         for i in range(request.num_cached_blocks, num_full):
-            parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else None
+            parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else request.cache_seed
             chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
             block = self.blocks[request.block_ids[i]]
             block.hash, block.token_ids = block_hash(parent, chunk), tuple(chunk)

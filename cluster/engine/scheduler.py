@@ -77,6 +77,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._free(request)
+        request.grammar = None   # its matcher goes with it (kept through preemption, not past the end)
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
 
@@ -170,8 +171,10 @@ class Scheduler:
         batch = ScheduledBatch(plan, preempted=preempted)
         for request, num_new in chosen:
             if not request.sent_to_workers:
-                plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options(),
-                                                        request.state_slot))
+                options = request.sampling_options()
+                history = request.all_token_ids if options.has_controls else None   # complete: no placeholders
+                plan.new_requests.append(NewRequestData(request.request_id, options, request.state_slot, history,
+                                                        request.num_prompt_tokens))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
             known = request.num_known_tokens

@@ -1,12 +1,14 @@
-"""Operator endpoints of the OpenAI front: ``POST /admin/reload_weights``.
+"""Operator endpoints of the OpenAI front: ``POST /admin/reload_weights`` and ``GET /admin/status``.
 
-The body is ``{"model": PATH, "mode": "drain" | "abort"}`` (both optional: the served files, changed
-on disk, and ``drain``). The router asks every replica in turn over gRPC ``ReloadWeights`` (one at
-a time, so the other replicas keep serving) and answers the first replica's counts with the
-total wall time; a checkpoint the first replica refuses is a 400 naming the first bad tensor, and
-no replica changed anything. The route is on the app of :func:`cluster.frontend.openai_app.build_openai_app`,
-so its API-key guard covers it like every other route; the calls to the replicas carry the
-router's key (their gRPC servers check it too).
+Only the admin key reaches them (:class:`cluster.frontend.openai_app.FrontGuard`: 404 when no admin
+key is configured, 403 for an inference key). The reload body is ``{"model": PATH, "mode": "drain"
+| "abort"}`` (both optional: the served files, changed on disk, and ``drain``; ``PATH`` must lie
+under the replicas' ``--allowed-model-root``). The router asks every replica in turn over gRPC
+``ReloadWeights`` (one at a time, so the other replicas keep serving; one rollout at a time) and
+answers the first replica's counts with the total wall time; a checkpoint the first replica
+refuses is a 400 naming the first bad tensor, and no replica changed anything; a reload a replica
+refuses (another reload holds the cluster's lock, or its drain timed out) is a 409. The calls to
+the replicas carry each replica's internal token.
 """
 
 from __future__ import annotations
@@ -49,11 +51,18 @@ def parse_reload(raw_body: bytes) -> pb.ReloadWeightsRequest:
     return pb.ReloadWeightsRequest(model=model or "", mode=mode or "")
 
 
-async def reload_weights(pool: ReplicaPool, raw_body: bytes, metadata: tuple = ()) -> Response:
+def reload_busy() -> Response:
+    """409: a rollout is already running on this router."""
+    return JSONResponse(OpenAIError(409, "a weight reload is already in progress; retry when it is done",
+                                    "invalid_request_error", None, "reload_in_progress").body(), status_code=409)
+
+
+async def reload_weights(pool: ReplicaPool, raw_body: bytes) -> Response:
     """``POST /admin/reload_weights``: 200 with ``changed_tensors``, ``unchanged_tensors``,
     ``seconds``, ``weights_version``, ``aborted_requests`` and ``replicas`` (one answer each);
-    400 for a bad body or a checkpoint that cannot replace the served one; 503 when a replica is
-    not ready or fails. ``metadata``: gRPC call metadata (the replicas' API key)."""
+    400 for a bad body or a checkpoint that cannot replace the served one (outside the allowed
+    model root included); 409 when a replica refuses to start (lock held, drain timed out); 503
+    when a replica is not ready or fails."""
     started = time.monotonic()
     try:
         request = parse_reload(raw_body)
@@ -63,10 +72,14 @@ async def reload_weights(pool: ReplicaPool, raw_body: bytes, metadata: tuple = (
         answers = []
         for replica in pool.replicas:
             try:
-                answer = await replica.stub.ReloadWeights(request, metadata=metadata)
+                answer = await replica.stub.ReloadWeights(request, metadata=replica.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise bad_request(exc.details(), "model", "invalid_checkpoint") from exc
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise OpenAIError(409, f"replica {replica.index}: {exc.details()} (replicas reloaded before "
+                                      f"it: {[a['replica'] for a in answers]})", "invalid_request_error", None,
+                                      "reload_refused") from exc
                 raise unavailable(f"replica {replica.index} failed to reload ({exc.code().name}: {exc.details()}); "
                                   f"replicas reloaded before it: {[a['replica'] for a in answers]}") from exc
             answers.append({"replica": replica.index, **{name: getattr(answer, name) for name in _FIELDS}})

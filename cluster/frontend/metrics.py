@@ -65,6 +65,11 @@ class ServeMetrics:
     ``cancelled``, ``timeout`` or ``error``), ``prompt_tokens_total``, ``generation_tokens_total``,
     ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
     ``e2e_request_latency_seconds``, ``requests_in_flight``.
+    Per key (label ``key``: :func:`cluster.frontend.security.key_id`, 12 hex digits of the key's
+    SHA-256, or ``anonymous``; never the key): ``key_requests_total{key,outcome}``,
+    ``key_prompt_tokens_total``, ``key_generation_tokens_total``,
+    ``rate_limited_total{key,limit}`` (``limit``: ``requests`` or ``tokens``). No prefix-cache
+    counter is here: those are on the admin surface only (``/admin/status``).
     Per replica (label ``replica``): ``requests_routed_total``, ``queue_full_rejections_total``
     (admission control refused a call), ``outstanding_tokens``, ``num_requests_running``,
     ``num_requests_waiting`` (queue depth), ``kv_cache_free_blocks``, ``kv_cache_blocks``,
@@ -96,6 +101,14 @@ class ServeMetrics:
         self.latency = Histogram("shardserve_e2e_request_latency_seconds", "Request arrival to last byte (s)",
                                  buckets=_LATENCY_BUCKETS, registry=reg)
         self.in_flight = Gauge("shardserve_requests_in_flight", "Generation requests being served", registry=reg)
+        self.key_requests = Counter("shardserve_key_requests", "Generation requests by API key id and outcome",
+                                    ["key", "outcome"], registry=reg)
+        self.key_prompt_tokens = Counter("shardserve_key_prompt_tokens", "Prompt tokens by API key id", ["key"],
+                                         registry=reg)
+        self.key_generation_tokens = Counter("shardserve_key_generation_tokens", "Generated tokens by API key id",
+                                             ["key"], registry=reg)
+        self.rate_limited = Counter("shardserve_rate_limited", "Requests refused by --rate-limit, by API key id and "
+                                    "limit (requests or tokens)", ["key", "limit"], registry=reg)
         self.routed = Counter("shardserve_requests_routed", "Generation requests sent to each replica",
                               ["replica"], registry=reg)
         self.outstanding = Gauge("shardserve_outstanding_tokens", "Tokens routed to a replica and not yet done",
@@ -122,9 +135,17 @@ class ServeMetrics:
         self.spec = _SpecDecodeCollector()
         reg.register(self.spec)
 
-    def count(self, endpoint: str, status: int, outcome: str) -> None:
-        """Count one request that ended (``requests_total``)."""
+    def count(self, endpoint: str, status: int, outcome: str, key: str = "anonymous") -> None:
+        """Count one request of API key id ``key`` that ended (``requests_total``, ``key_requests_total``)."""
         self.requests.labels(endpoint, str(status), outcome).inc()
+        self.key_requests.labels(key, outcome).inc()
+
+    def count_tokens(self, key: str, prompt_tokens: int, generated_tokens: int) -> None:
+        """Tokens of one request of API key id ``key`` (totals and per key)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        self.key_prompt_tokens.labels(key).inc(prompt_tokens)
+        self.key_generation_tokens.labels(key).inc(generated_tokens)
 
     def observe_choice(self, started: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         """Record one finished choice: TTFT from the request's arrival, TPOT over its later tokens."""

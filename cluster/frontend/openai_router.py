@@ -9,8 +9,12 @@ of every call is awaited before answering, so the engine's own rejections (conte
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
 engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
 
-Calls to the replicas carry the deployment's first API key and, with ``request_timeout``, the
-time left as their gRPC deadline. A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is
+Limits come first (:mod:`cluster.frontend.limits`): the caller's request rate (429 with
+``Retry-After``), prompts x ``n`` and prompt characters (400), then tokenization on the tokenizer
+threads (never on the event loop), token ids checked against the vocabulary, the caller's token
+rate; only then is a replica leased. Calls to the replicas carry that replica's internal token
+(never a client's key), the caller's tenant (the prefix cache is salted per key) and, with
+``request_timeout``, the time left as their gRPC deadline. A replica whose waiting queue is full (RESOURCE_EXHAUSTED) is
 skipped for the next one; when all are full the answer is 429 with ``Retry-After``. A deadline
 that passes answers 408 (or ends a stream with an error event). Every request is counted once in
 ``requests_total`` when it ends, with its HTTP status and outcome (``finished``, ``rejected``,
@@ -35,13 +39,15 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from shardserve.cluster.frontend.limits import LimitExceeded, RateLimiter, retry_after_header, run_tokenizer
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
-    engine_rejected, finish_reason, load_body, parse_chat, parse_completion, rate_limited, response_body,
-    timed_out, unavailable, usage_chunk)
+    engine_rejected, finish_reason, limit_error, load_body, parse_chat, parse_completion, prompt_chars,
+    rate_limited, response_body, timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
-from shardserve.cluster.frontend.security import FrontConfig
+from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.frontend.structured import structured_to_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -51,6 +57,8 @@ StatusFetcher = Callable[[], Awaitable[dict]]
 
 _RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one request ends
 _MODEL_NOT_FOUND = "model_not_found"
+_NOBODY = Caller(ANONYMOUS, ANONYMOUS)
+_MAX_TOKEN_ID = 2**31 - 1     # a proto int32; the vocabulary bounds it further once a replica reported it
 
 
 def _connect(address: str, root_certificates: bytes | None = None) -> tuple:
@@ -86,7 +94,9 @@ class _Run:
     closed: bool = False           # _finish ran
     endpoint: str = "chat"         # requests_total label: chat | completions
     status: int = 499              # HTTP status sent (499: the client left before the answer)
-    outcome: str = "cancelled"     # finished | cancelled | timeout | error (requests_total label)
+    outcome: str = "cancelled"     # finished | cancelled | timeout | error | dropped (requests_total label)
+    caller: Caller = _NOBODY       # who sent it (per-key usage, rate settlement)
+    charged_tokens: int = 0        # taken from the caller's token rate at admission
 
 
 class RouterCore:
@@ -98,8 +108,9 @@ class RouterCore:
         fetchers: one coroutine function per replica returning its ``status()`` dict.
         poll_s: status polling period once every replica is ready (faster while loading).
         load_tokenizer: returns the tokenizer; run in a thread by :meth:`start`.
-        front: API keys (the first one is sent to the replicas), gRPC TLS (the certificate is
-            trusted when dialling a replica) and the request timeout.
+        front: keys (the guard checks them), limits, gRPC TLS (the certificate is trusted when
+            dialling a replica) and the request timeout. Replicas are called with the internal
+            token each reports in its status.
         route_wait_s: how long a request waits for a replica that is being replaced.
     """
 
@@ -110,7 +121,10 @@ class RouterCore:
         self.front = front or FrontConfig()
         tls = self.front.grpc_tls()
         self.pool = ReplicaPool(len(fetchers), functools.partial(_connect, root_certificates=tls and tls[0]), _close)
-        self._metadata = (("authorization", f"Bearer {self.front.api_keys[0]}"),) if self.front.api_keys else ()
+        self.limits = self.front.limits
+        self.rates = RateLimiter(self.limits.rate_limit_requests, self.limits.rate_limit_tokens)
+        self.cache_hits_by_key: dict[str, int] = {}   # prompt tokens from the prefix cache, per key (admin only)
+        self._reload_lock: asyncio.Lock | None = None
         self.created = int(time.time())   # ``created`` of the model card: when this router started
         self.metrics = ServeMetrics()
         self.fetchers, self.poll_s, self._load_tokenizer = fetchers, poll_s, load_tokenizer
@@ -187,15 +201,29 @@ class RouterCore:
             raise unavailable(f"the model is loading or unavailable ({what}{self.pool.summary()})")
 
     # -- plain endpoints -------------------------------------------------------------------------
+    def health_state(self) -> str:
+        """``ok`` (the tokenizer is loaded and a replica is ready), ``loading`` or ``unhealthy``."""
+        if self.tokenizer_error or (self.pool.replicas and all(r.state == "failed" for r in self.pool.replicas)):
+            return "unhealthy"
+        if self.tokenizer is None or not self.pool.ready():
+            return "loading"
+        return "ok"
+
     async def health(self) -> Response:
-        """200 once the tokenizer is loaded and a replica is ready; else 503 with the reason."""
-        replicas = [r.describe() for r in self.pool.replicas]
-        try:
-            self._ready_or_503()
-        except OpenAIError as err:
-            return JSONResponse(dict(err.body(), replicas=replicas), status_code=err.status)
-        return JSONResponse({"status": "ok", "model": self.served_names[0],
-                             "max_model_len": self.pool.any_info().get("max_model_len"), "replicas": replicas})
+        """``GET /health`` (open): ``{"status": "ok"}`` with 200, or ``loading`` / ``unhealthy``
+        with 503. Nothing else: the details are on ``GET /admin/status``."""
+        state = self.health_state()
+        return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)
+
+    async def admin_status(self) -> Response:
+        """``GET /admin/status`` (admin key): the served model, each replica's state, address,
+        error and outstanding tokens, and the prefix-cache hits per key and per replica."""
+        return JSONResponse({"status": self.health_state(), "model": self.served_names[0],
+                             "max_model_len": self.pool.any_info().get("max_model_len"),
+                             "tokenizer_error": self.tokenizer_error,
+                             "replicas": [dict(r.describe(), prefix_cache_hit_tokens=r.info.get(
+                                 "prefix_cache_hit_tokens", 0)) for r in self.pool.replicas],
+                             "prefix_cache_hit_tokens_by_key": dict(self.cache_hits_by_key)})
 
     async def models(self, model_id: str | None = None) -> Response:
         """``GET /v1/models``: the list of the one served model; ``GET /v1/models/{model_id}``: its
@@ -212,10 +240,15 @@ class RouterCore:
         return JSONResponse(card if model_id is not None else {"object": "list", "data": [card]})
 
     async def reload_weights(self, raw_body: bytes) -> Response:
-        """``POST /admin/reload_weights`` over every replica, one at a time (see :mod:`cluster.frontend.admin`)."""
-        from shardserve.cluster.frontend.admin import reload_weights
+        """``POST /admin/reload_weights`` over every replica, one at a time (see
+        :mod:`cluster.frontend.admin`); one rollout at a time (another one gets 409)."""
+        from shardserve.cluster.frontend.admin import reload_busy, reload_weights
 
-        return await reload_weights(self.pool, raw_body, self._metadata)
+        self._reload_lock = self._reload_lock or asyncio.Lock()
+        if self._reload_lock.locked():
+            return reload_busy()
+        async with self._reload_lock:
+            return await reload_weights(self.pool, raw_body)
 
     async def metrics_text(self) -> Response:
         """Prometheus exposition; replica gauges refreshed from ModelInfo first."""
@@ -223,7 +256,7 @@ class RouterCore:
             info = None
             if replica.stub is not None:
                 try:
-                    msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=self._metadata)
+                    msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=replica.metadata)
                     info = replica_info(msg)
                 except grpc.aio.AioRpcError:
                     info = None
@@ -233,32 +266,97 @@ class RouterCore:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     # -- generation ------------------------------------------------------------------------------
-    async def generate(self, kind: str, raw_body: bytes) -> Response:
-        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``)."""
+    async def generate(self, kind: str, raw_body: bytes, caller: Caller = _NOBODY) -> Response:
+        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``) of
+        ``caller`` (the guard's :class:`Caller`)."""
         started = time.monotonic()
         endpoint = "chat" if kind == "chat" else "completions"
         timeout = self.front.request_timeout
+        charged = 0
         try:
-            body = load_body(raw_body)
-            parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
-            if parsed.model is not None and parsed.model not in self.served_names:
-                raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
-                                  f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
-            self._ready_or_503()
-            prompt_ids = [self._encode(kind, prompt) for prompt in parsed.prompts]
-            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None)
+            try:
+                self._admit_rate(caller)
+                body = load_body(raw_body)
+                parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+                if parsed.model is not None and parsed.model not in self.served_names:
+                    raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
+                                      f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
+                self._check_limits(kind, parsed)
+                self._ready_or_503()
+                prompt_ids = await self._prompt_ids(kind, parsed)
+                charged = self._charge_tokens(caller, parsed, prompt_ids)
+            except LimitExceeded as exc:
+                raise limit_error(exc) from None
+            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller)
         except OpenAIError as err:
-            self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected")
-            headers = {"Retry-After": str(_RETRY_AFTER_S)} if err.status == 429 else None
+            self._settle(caller, charged, 0)
+            self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected", caller.key_id)
+            headers = {"Retry-After": retry_after_header(err.retry_after)} if err.status == 429 else None
             return JSONResponse(err.body(), status_code=err.status, headers=headers)
         except asyncio.CancelledError:   # the client left before the first token
-            self.metrics.count(endpoint, 499, "cancelled")
+            self._settle(caller, charged, 0)
+            self.metrics.count(endpoint, 499, "cancelled", caller.key_id)
             raise
-        run.endpoint = endpoint
+        run.endpoint, run.charged_tokens = endpoint, charged
         if parsed.stream:
             run.status = 200
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
         return await self._complete(run)
+
+    # -- limits before work --------------------------------------------------------------------
+    def _rate_key(self, caller: Caller) -> str | None:
+        """The key whose rates a request counts against (None: exempt, the operator's admin key)."""
+        return None if caller.privileged or not self.rates.enabled else caller.key_id
+
+    def _admit_rate(self, caller: Caller) -> None:
+        key = self._rate_key(caller)
+        if key is not None:
+            try:
+                self.rates.admit_request(key)
+            except LimitExceeded:
+                self.metrics.rate_limited.labels(caller.key_id, "requests").inc()
+                raise
+
+    def _charge_tokens(self, caller: Caller, parsed: ParsedRequest, prompt_ids: list[list[int]]) -> int:
+        key = self._rate_key(caller)
+        if key is None or not self.rates.tpm:
+            return 0
+        wanted = parsed.n * sum(len(ids) + (parsed.max_tokens or 0) for ids in prompt_ids)
+        try:
+            return self.rates.charge_tokens(key, wanted)
+        except LimitExceeded:
+            self.metrics.rate_limited.labels(caller.key_id, "tokens").inc()
+            raise
+
+    def _settle(self, caller: Caller, charged: int, used: int) -> None:
+        key = self._rate_key(caller)
+        if key is not None and charged:
+            self.rates.settle(key, charged, used)
+
+    def _check_limits(self, kind: str, parsed: ParsedRequest) -> None:
+        """Prompts x ``n`` and prompt characters (before anything is tokenized).
+
+        Raises:
+            LimitExceeded: 400.
+        """
+        self.limits.check_choices(len(parsed.prompts), parsed.n)
+        self.limits.check_prompt_chars(sum(prompt_chars(prompt) for prompt in parsed.prompts),
+                                       "messages" if kind == "chat" else "prompt")
+
+    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> list[list[int]]:
+        """Every prompt's token ids: text tokenized on the tokenizer threads, ids checked against
+        the vocabulary (before any replica is leased).
+
+        Raises:
+            OpenAIError: 400 for a bad prompt.
+        """
+        param = "messages" if kind == "chat" else "prompt"
+        prompt_ids = [await run_tokenizer(self._encode, kind, prompt) for prompt in parsed.prompts]
+        vocab = self.pool.any_info().get("vocab_size") or _MAX_TOKEN_ID + 1
+        for ids in prompt_ids:
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+        return prompt_ids
 
     def _encode(self, kind: str, prompt) -> list[int]:
         from shardserve.cluster.tokenizer import encode_chat, encode_prompt
@@ -270,16 +368,25 @@ class RouterCore:
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from exc
 
-    def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int) -> pb.GenerateRequest:
-        sampling = pb.SamplingParams(**parsed.sampling)
-        if parsed.seed is not None:
-            sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
-        if parsed.logprobs is not None:
-            sampling.logprobs = parsed.logprobs
-        return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids), sampling=sampling)
+    def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int,
+                      caller: Caller) -> pb.GenerateRequest:
+        """Choice ``index``'s call: its own seed, the caller's tenant and salt, the request as its group."""
+        try:
+            sampling = pb.SamplingParams(**parsed.sampling)
+            if parsed.seed is not None:
+                sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
+            if parsed.logprobs is not None:
+                sampling.logprobs = parsed.logprobs
+            if parsed.structured is not None:
+                sampling.structured_outputs.CopyFrom(structured_to_proto(parsed.structured))
+            return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids),
+                                      sampling=sampling, tenant=caller.tenant, cache_salt=parsed.cache_salt,
+                                      group_id=request_id)
+        except (ValueError, TypeError) as exc:   # a value the proto cannot hold
+            raise bad_request(f"invalid request: {exc}") from exc
 
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
-                     deadline: float | None) -> _Run:
+                     deadline: float | None, caller: Caller = _NOBODY) -> _Run:
         """Open every choice's call on the least-loaded replica and read its first response; a
         replica whose queue is full is skipped for the next one.
 
@@ -318,12 +425,14 @@ class RouterCore:
                 lease.release()
                 raise timed_out(self._timeout_message())
             stub = lease.stub   # the lease keeps the channel open even if the replica moves
-            calls = [stub.Generate(self._grpc_request(parsed, request_id, ids, p * n + j), timeout=timeout,
-                                   metadata=self._metadata)
-                     for p, ids in enumerate(prompt_ids) for j in range(n)]
-            try:
+            calls: list = []
+            try:   # NOTE: every call is built in here: whatever fails, the lease is paid back
+                for p, ids in enumerate(prompt_ids):
+                    for j in range(n):
+                        request = self._grpc_request(parsed, request_id, ids, p * n + j, caller)
+                        calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
-            except BaseException:  # cancelled: the client left before the first token
+            except BaseException:  # a bad value, or cancelled: the client left before the first token
                 for call in calls:
                     call.cancel()
                 lease.release()
@@ -338,7 +447,8 @@ class RouterCore:
                 raise failure
             code = failure.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt")
+                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt",
+                                      parsed.structured_param)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise timed_out(self._timeout_message())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -350,7 +460,7 @@ class RouterCore:
         self.metrics.routed.labels(str(lease.replica.index)).inc()
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
-                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started)
+                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started, caller=caller)
         for index, first in enumerate(firsts):
             if first is not grpc.aio.EOF:
                 self._absorb(run, index, first)
@@ -367,6 +477,7 @@ class RouterCore:
         choice.token_ids += resp.token_ids
         choice.logprobs += resp.logprobs
         choice.prompt_tokens, choice.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
+        choice.cached_tokens = resp.usage.cached_tokens
         if resp.finish_reason:
             choice.finish_reason = resp.finish_reason
 
@@ -392,20 +503,25 @@ class RouterCore:
         if run.closed:
             return
         run.closed = True
-        self.metrics.count(run.endpoint, run.status, run.outcome)
+        self.metrics.count(run.endpoint, run.status, run.outcome, run.caller.key_id)
         for call in run.calls:
             call.cancel()  # no-op for finished calls; aborts (frees blocks) for abandoned ones
         run.lease.release()
         self.metrics.in_flight.dec()
         now = time.monotonic()
         self.metrics.latency.observe(now - run.started)
-        counted_prompts = set()
+        counted_prompts, used, cached = set(), 0, 0
         for choice, first in zip(run.choices, run.first_token_at):
             self.metrics.observe_choice(run.started, first, now, choice.completion_tokens)
-            self.metrics.generation_tokens.inc(choice.completion_tokens)
+            self.metrics.count_tokens(run.caller.key_id, 0, choice.completion_tokens)
+            used += choice.prompt_tokens + choice.completion_tokens
+            cached += choice.cached_tokens
             if choice.index // run.parsed.n not in counted_prompts:
                 counted_prompts.add(choice.index // run.parsed.n)
-                self.metrics.prompt_tokens.inc(choice.prompt_tokens)
+                self.metrics.count_tokens(run.caller.key_id, choice.prompt_tokens, 0)
+        self._settle(run.caller, run.charged_tokens, used)
+        key = run.caller.key_id
+        self.cache_hits_by_key[key] = self.cache_hits_by_key.get(key, 0) + cached
 
     async def _read_all(self, run: _Run, index: int, on_response=None) -> None:
         call, choice = run.calls[index], run.choices[index]
@@ -446,11 +562,23 @@ class RouterCore:
                           logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage)
         return _sse_data(body)
 
+    def _drop_slow_client(self, run: _Run) -> None:
+        """A streaming client left ``sse_buffer_events`` events unread: abort its request (the
+        replicas free its blocks) instead of buffering its output without bound."""
+        if not run.closed:
+            logger.info("dropping %s: the client left %d events unread", run.request_id, self.limits.sse_buffer_events)
+            run.outcome = "dropped"
+            self._finish(run)
+
     async def _sse(self, run: _Run) -> AsyncIterator[str]:
+        # Bounded: a client that does not read stops this generator at its ``yield``; once its
+        # unread events reach sse_buffer_events the request is dropped (_drop_slow_client).
         queue: asyncio.Queue = asyncio.Queue()
-        kind = run.parsed.kind
+        kind, limit = run.parsed.kind, self.limits.sse_buffer_events
 
         async def push(index: int, resp) -> None:  # after _absorb: the choice's text ends with resp.text
+            if queue.qsize() >= limit:
+                raise _SlowClient
             queue.put_nowait((index, resp, len(run.choices[index].text) - len(resp.text)))
 
         async def pump(index: int) -> None:
@@ -458,24 +586,31 @@ class RouterCore:
                 await self._read_all(run, index, push)
             except grpc.aio.AioRpcError as exc:
                 queue.put_nowait((index, exc, 0))
+            except _SlowClient:
+                self._drop_slow_client(run)
             finally:
                 queue.put_nowait((index, None, 0))
 
-        tasks = []
+        # The first events are made before the pumps start (they change the choices), and the pumps
+        # start before anything is yielded: a client that reads nothing still fills the bounded queue.
+        opening = []
+        for index, choice in enumerate(run.choices):
+            if kind == "chat":
+                opening.append(_sse_data(chunk_body(kind, run.request_id, run.created, run.model, index, text="",
+                                                    role=True, include_usage=run.parsed.include_usage)))
+            first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
+                                        finish_reason=choice.finish_reason or "")
+            opening.append(self._event(run, index, first, 0))
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
         try:
-            for index, choice in enumerate(run.choices):
-                if kind == "chat":
-                    yield _sse_data(chunk_body(kind, run.request_id, run.created, run.model, index, text="",
-                                               role=True, include_usage=run.parsed.include_usage))
-                first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
-                                            finish_reason=choice.finish_reason or "")
-                event = self._event(run, index, first, 0)
+            for event in opening:
                 if event:
                     yield event
-            tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
             open_calls = len(tasks)
             while open_calls:
                 index, item, offset = await queue.get()
+                if run.outcome == "dropped":
+                    return
                 if item is None:
                     open_calls -= 1
                 elif isinstance(item, grpc.aio.AioRpcError):
@@ -498,6 +633,10 @@ class RouterCore:
             for task in tasks:
                 task.cancel()
             self._finish(run)
+
+
+class _SlowClient(Exception):
+    """A streaming client's unread events reached the limit."""
 
 
 class _EventStream(StreamingResponse):

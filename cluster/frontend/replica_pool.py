@@ -9,6 +9,10 @@ least recently, so equal replicas take turns.
 A replica's address changes when Serve replaces it (rolling upgrade, restart). The channel to the
 old address stays open until the requests leased on it end, so a switch never cuts a running
 stream; it is closed then.
+
+Each replica's status carries the internal token it made at start-up (``token``): the router's
+only credential to it (:mod:`cluster.frontend.security`), kept here and in each lease, never in
+:meth:`Replica.describe`.
 """
 
 from __future__ import annotations
@@ -43,9 +47,15 @@ class Replica:
     unreachable_since: float = 0.0  # monotonic time it turned unreachable
     channel: object = None         # grpc.aio channel to ``address``
     stub: object = None            # InferenceStub on ``channel``
+    token: str | None = field(default=None, repr=False)   # the replica's internal token (secret)
+
+    @property
+    def metadata(self) -> tuple:
+        """gRPC call metadata that authenticates the router to this replica."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def describe(self) -> dict:
-        """JSON-safe summary (``/health``)."""
+        """JSON-safe summary (``/admin/status``; no secret)."""
         return {"index": self.index, "state": self.state, "address": self.address, "error": self.error,
                 "outstanding_tokens": self.outstanding_tokens}
 
@@ -64,6 +74,7 @@ class Lease:
                  pool: ReplicaPool | None = None) -> None:
         self.replica, self.prompt_tokens, self.output_tokens = replica, prompt_tokens, output_tokens
         self.channel, self.stub = replica.channel, replica.stub   # kept even if the replica moves
+        self.metadata = replica.metadata                           # likewise its credential
         replica.outstanding_tokens += prompt_tokens + output_tokens
         self._pool = pool
         if pool is not None:
@@ -120,6 +131,8 @@ class ReplicaPool:
                 logger.info("replica %d serves gRPC on %s", index, address)
         replica.state = status.get("state", LOADING)
         replica.error = status.get("error")
+        if status.get("token"):
+            replica.token = status["token"]
         if status.get("info"):
             replica.info = status["info"]
         if replica.state == READY and not replica.info.get("healthy", True):

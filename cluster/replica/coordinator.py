@@ -14,17 +14,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
-from shardserve.cluster.frontend.security import FrontConfig
+from shardserve.cluster.frontend.limits import TOKENIZER_THREADS, run_tokenizer
+from shardserve.cluster.frontend.security import FrontConfig, key_digest
+from shardserve.cluster.frontend.structured import GrammarCompiler
+from shardserve.cluster.replica.reload_guard import (
+    SWAP_ALLOWANCE_S, ReloadRefused, allowed_root, checkpoint_under_root, cluster_reload_lock, lock_name)
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
 from shardserve.cluster.replica.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
@@ -33,6 +40,7 @@ from shardserve.workers.model_source import load_config, model_context_length, r
 
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -70,8 +78,13 @@ class Coordinator:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args.validate()
-        self.args, self.front = args, front or FrontConfig()
+        # The router's credential to this replica: made here, handed over by status() (Ray), never
+        # in init args, logs or metrics. Only its digest is kept for checking.
+        self.internal_token = secrets.token_urlsafe(32)
+        self.front = dataclasses.replace(front or FrontConfig(), internal_digest=key_digest(self.internal_token))
+        self.args = args
         self.files = resolve_model(args.model)
+        self.started_files = self.files   # what the app serves: the default reload root and the lock's name
         self.hf_config = args.model_config(load_config(self.files))
         args.check_model_limits(self.hf_config)
         self.tokenizer = load_tokenizer(self.files)
@@ -93,11 +106,12 @@ class Coordinator:
             from shardserve.cluster.engine.speculative import Speculator
 
             speculator = Speculator(self.drafter, args.speculative_tokens)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                               eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator,
-                               num_state_slots=self.group.num_state_slots)
+                               eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots,
+                               grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
         self.worker_restarts, self.weights_version = 0, 1
@@ -107,6 +121,9 @@ class Coordinator:
         self.worker_status: list[dict] = []            # last answer of every worker process (ModelInfo)
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self._queues: dict[str, asyncio.Queue] = {}
+        self._group_of: dict[str, str] = {}            # request id -> client request (router's group id)
+        self._group_calls: collections.Counter = collections.Counter()   # group -> calls not finished
+        self._pending_tokenize = 0                     # tokenizations queued or running
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_lock: asyncio.Lock | None = None
@@ -307,11 +324,17 @@ class Coordinator:
         produced output yet are recomputed later instead), swap on every rank, drop every cache
         computed with the old weights, resume.
 
+        ``model`` must lie under ``front.allowed_model_root`` (default: the served model's folder,
+        see :mod:`cluster.replica.reload_guard`); the reload holds the cluster's reload lock and
+        drains for at most ``front.reload_drain_timeout`` seconds.
+
         Returns:
             :class:`ReloadResult` as a dict.
 
         Raises:
-            ValueError: unknown mode, or :class:`InvalidCheckpoint` (nothing was changed).
+            ValueError: unknown mode, or :class:`InvalidCheckpoint` (outside the allowed root, or
+                unfit; nothing was changed).
+            ReloadRefused: another reload holds the lock, or the drain timed out (nothing was changed).
             ReplicaUnavailable: the replica is unhealthy or a worker died meanwhile.
         """
         mode = check_mode(mode)
@@ -323,33 +346,53 @@ class Coordinator:
         return await asyncio.shield(asyncio.ensure_future(self._reload(model, mode)))
 
     async def _reload(self, model: str | None, mode: str) -> dict:
+        if self._reload_lock.locked():
+            raise ReloadRefused("a reload of this replica is in progress; retry when it is done")
         async with self._reload_lock:
             started = time.monotonic()
-            files, _ = await asyncio.to_thread(check_replacement, self.served, model or str(self.files.path))
-            self.core.scheduler.admit_new = False
-            try:
-                aborted = await self._quiesce(mode)
-                async with self._at_step_boundary():
-                    if not self.healthy:
-                        raise ReplicaUnavailable(self.error)
-                    changed, unchanged = await self._swap(files)
-            finally:
-                self.core.scheduler.admit_new = True
-                self._wakeup.set()
+            path = str(self.files.path) if model is None else await asyncio.to_thread(
+                checkpoint_under_root, model, allowed_root(self.started_files, self.front.allowed_model_root))
+            files, _ = await asyncio.to_thread(check_replacement, self.served, path)
+            ttl = self.front.reload_drain_timeout + SWAP_ALLOWANCE_S
+            async with cluster_reload_lock(lock_name(self.started_files.path), f"replica on {self._node_ip}", ttl):
+                return await self._reload_locked(files, mode, started)
+
+    async def _reload_locked(self, files, mode: str, started: float) -> dict:
+        """Pause admission, drain or abort, swap, resume (the cluster's reload lock held)."""
+        self.core.scheduler.admit_new = False
+        try:
+            aborted = await self._quiesce(mode)
+            async with self._at_step_boundary():
+                if not self.healthy:
+                    raise ReplicaUnavailable(self.error)
+                changed, unchanged = await self._swap(files)
+        finally:
+            self.core.scheduler.admit_new = True
+            self._wakeup.set()
         result = ReloadResult(len(changed), len(unchanged), round(time.monotonic() - started, 3),
                               self.weights_version, aborted)
         logger.info("weights reloaded from %s (%s): %s", files.path, mode, result)
         return result.as_dict()
 
     async def _quiesce(self, mode: str) -> int:
-        """With admission paused: end started requests (abort) or wait for them (drain)."""
+        """With admission paused: end started requests (abort) or wait for them (drain), at most
+        ``front.reload_drain_timeout`` seconds.
+
+        Raises:
+            ReloadRefused: requests still run at the timeout (nothing was changed).
+        """
         aborted = 0
         if mode == "abort":
             async with self._at_step_boundary():
                 outputs = self.core.interrupt_started("aborted: the replica is reloading its weights (mode=abort)")
                 self._publish(outputs)
                 aborted = len(outputs)
+        deadline = time.monotonic() + self.front.reload_drain_timeout
         while self.healthy and self.core.has_started():
+            if time.monotonic() > deadline:
+                raise ReloadRefused(f"requests still ran after --reload-drain-timeout "
+                                    f"{self.front.reload_drain_timeout:g} s; the weights were not changed (retry, "
+                                    "or reload with mode=abort)")
             await asyncio.sleep(0.005)
         return aborted
 
@@ -368,17 +411,54 @@ class Coordinator:
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
-        """Prompt ids of a raw text or a chat. Raises ValueError on a malformed prompt."""
+        """Prompt ids of a raw text or a chat (blocking). Raises ValueError on a malformed prompt."""
         if chat is not None:
             return encode_chat(self.tokenizer, chat)
         if not text:
             raise ValueError("prompt must not be empty")
         return encode_prompt(self.tokenizer, text)
 
+    async def encode_async(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
+        """:meth:`encode` on the tokenizer threads (:func:`cluster.frontend.limits.run_tokenizer`),
+        so a long prompt never stalls the engine loop.
+
+        Raises:
+            ValueError: a malformed prompt.
+            QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
+        """
+        if self._pending_tokenize >= self.front.max_queued_requests + TOKENIZER_THREADS:
+            raise QueueFull(f"{self._pending_tokenize} prompts are being tokenized on this replica "
+                            f"(--max-queued-requests {self.front.max_queued_requests}); retry later")
+        self._pending_tokenize += 1
+        try:
+            return await run_tokenizer(self.encode, text, chat)
+        finally:
+            self._pending_tokenize -= 1
+
+    def _admit(self, group: str | None) -> None:
+        """Admission control over requests, not choices: the calls of one client request (the
+        router's ``group``) count once, and at most ``front.limits.max_choices`` of them run.
+
+        Raises:
+            QueueFull: ``front.max_queued_requests`` requests already wait.
+            ValueError: the group already has ``max_choices`` calls.
+        """
+        if group is not None and self._group_calls[group]:
+            if self._group_calls[group] >= self.front.limits.max_choices:
+                raise ValueError(f"a request may have at most {self.front.limits.max_choices} choices")
+            return   # a sibling choice was admitted already
+        waiting = len({self._group_of.get(r.request_id, r.request_id) for r in self.core.scheduler.waiting})
+        if waiting >= self.front.max_queued_requests:
+            raise QueueFull(f"{waiting} requests already wait on this replica (--max-queued-requests "
+                            f"{self.front.max_queued_requests}); retry later")
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, cache_seed: int = 0,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the iteration early (client cancelled) or passing
         ``deadline`` (event-loop time, e.g. ``loop.time() + 30``) aborts it and frees its blocks.
+        ``cache_seed``: its prefix-cache salt (:func:`cluster.engine.block_manager.cache_seed`);
+        ``group``: the client request this call is one choice of (admission counts it once).
 
         Raises:
             ValueError: invalid request (before anything is yielded).
@@ -391,14 +471,18 @@ class Coordinator:
             raise ReplicaUnavailable(self.error)
         if self.draining:
             raise ReplicaUnavailable("draining: this replica is being replaced; retry on another")
-        waiting = len(self.core.scheduler.waiting)
-        if waiting >= self.front.max_queued_requests:
-            raise QueueFull(f"{waiting} requests already wait on this replica (--max-queued-requests "
-                            f"{self.front.max_queued_requests}); retry later")
+        self._admit(group)
         self._ensure_loop()
-        rid = self.core.add_request(prompt_ids, params, request_id)
+        compiled = None
+        if params.structured_outputs is not None:   # off the event loop (cached per constraint)
+            self.core.validate(prompt_ids, params)
+            compiled = await self._compile(params, deadline)
+        rid = self.core.add_request(prompt_ids, params, request_id, cache_seed=cache_seed, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
+        if group is not None:
+            self._group_of[rid] = group
+            self._group_calls[group] += 1
         self._wakeup.set()
         loop = asyncio.get_running_loop()
         try:
@@ -420,6 +504,29 @@ class Coordinator:
         finally:
             self._queues.pop(rid, None)
             self.core.abort(rid)  # no-op when it finished normally
+            if self._group_of.pop(rid, None) is not None:
+                self._group_calls[group] -= 1
+                if not self._group_calls[group]:
+                    del self._group_calls[group]
+
+    async def _compile(self, params: SamplingParams, deadline: float | None):
+        """The request's compiled grammar, from the compile pool, within ``GRAMMAR_COMPILE_TIMEOUT_S``
+        (and the request's deadline).
+
+        Raises:
+            ValueError: it does not compile, or not in time (message starts ``structured_outputs:``).
+            DeadlineExceeded: the request's deadline passed first.
+        """
+        limit = GRAMMAR_COMPILE_TIMEOUT_S
+        if deadline is not None:
+            limit = min(limit, deadline - asyncio.get_running_loop().time())
+        try:
+            return await asyncio.wait_for(self.core.grammar_compiler.compile_async(params.structured_outputs), limit)
+        except TimeoutError:
+            if limit < GRAMMAR_COMPILE_TIMEOUT_S:
+                raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+            raise ValueError(f"structured_outputs: the constraint did not compile within "
+                             f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; simplify it") from None
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams) -> dict:
         """Whole completion (Ray-callable): ``{"token_ids", "text", "finish_reason", "logprobs"}``."""
@@ -463,6 +570,7 @@ class Coordinator:
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
             "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
+            "num_grammar_matchers": num_live_grammars(),
         }
 
     def placement(self) -> dict:
@@ -518,6 +626,7 @@ class Coordinator:
             await self._grpc.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self.core.grammar_compiler.shutdown()
         await asyncio.to_thread(self._stop_workers)
 
 

@@ -1,10 +1,14 @@
 """gRPC front of a coordinator: ``shardserve.v1.Inference`` plus the standard health
 (``grpc.health.v1``) and reflection services, on the coordinator's event loop (grpc.aio).
 
-Status codes: INVALID_ARGUMENT for a bad request (before any response is streamed) or a
-checkpoint that cannot replace the served one (``ReloadWeights``), UNAUTHENTICATED without a
-valid API key (every method but health's, reflection and ``ReloadWeights`` included),
-RESOURCE_EXHAUSTED when ``max_queued_requests`` already wait, DEADLINE_EXCEEDED past the client's
+Status codes: INVALID_ARGUMENT for a bad request (before any response is streamed; prompts over
+``max_prompt_chars`` before they are tokenized) or a checkpoint that cannot replace the served one
+(``ReloadWeights``), UNAUTHENTICATED without a valid API key (every method but health's,
+reflection included), UNIMPLEMENTED / PERMISSION_DENIED for admin methods without an admin key
+configured / called with an inference key (:class:`AccessInterceptor`), FAILED_PRECONDITION for a
+reload refused (another one holds the cluster's lock, or the drain timed out),
+RESOURCE_EXHAUSTED when ``max_queued_requests`` requests already wait, a key is over its rate,
+or a message is over ``max_request_body_bytes``, DEADLINE_EXCEEDED past the client's
 deadline or ``request_timeout``, UNAVAILABLE when the replica lost a shard worker (it reports
 NOT_SERVING while it repairs itself, SERVING again after), ABORTED for a stream ended by a weight
 reload with ``mode="abort"``. A client cancelling ``Generate``, or its deadline passing, aborts the
@@ -20,22 +24,35 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shardserve.cluster.engine.block_manager import cache_seed
 from shardserve.cluster.engine.request import SamplingParams
-from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, warn_if_exposed
+from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter
+from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.frontend.structured import structured_from_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)   # health checks need no key; everything else does
+GRPC_MAX_STREAMS_PER_CONNECTION = 1024
+GRPC_MAX_METADATA_BYTES = 16 * 1024
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling fields -> :class:`SamplingParams` (unset optionals keep the defaults)."""
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        params.logit_bias = dict(msg.logit_bias)
+    params.bad_words = list(msg.bad_words)
+    if msg.allowed_token_ids:
+        params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
 
@@ -51,36 +68,61 @@ def _response(out) -> pb.GenerateResponse:
                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                   for lp in out.new_logprobs],
         finish_reason=out.finish_reason or "",
-        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens))
+        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                       cached_tokens=out.num_cached_tokens))
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every method but ``grpc.health.v1``'s with UNAUTHENTICATED unless the call's
-    metadata holds ``authorization: Bearer KEY`` for one of ``keys``; the handler never runs.
-    Services added later are covered too: only the health service is open.
+ADMIN_METHODS = frozenset({f"/{SERVICE}/ReloadWeights"})   # admin key (or the router's token) only
+
+
+def _authorization(metadata) -> str | None:
+    return dict(metadata or ()).get("authorization")
+
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    """Roles on every method but ``grpc.health.v1``'s (services added later are covered too):
+
+    - admin methods (:data:`ADMIN_METHODS`): UNIMPLEMENTED when no admin key is configured,
+      UNAUTHENTICATED without a valid key, PERMISSION_DENIED for an inference key; the admin key and
+      the router's internal token pass.
+    - every other method: UNAUTHENTICATED without a valid key when keys are configured.
+
+    The handler never runs for a refused call.
 
     Args:
-        keys: accepted API keys (non-empty).
+        front: the keys (digests) and the replica's internal token digest.
     """
 
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = list(keys)
+    def __init__(self, front: FrontConfig) -> None:
+        self.front = front
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+        method = handler_call_details.method
+        if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if bearer_matches(metadata.get("authorization"), self.keys):
+        caller = self.front.identify(_authorization(handler_call_details.invocation_metadata))
+        if method in ADMIN_METHODS:
+            if not self.front.admin_enabled:
+                return _refusal(handler, grpc.StatusCode.UNIMPLEMENTED, "the admin API is off on this server "
+                                "(start it with an admin key: --admin-api-key-file)")
+            if caller is None or caller.role == ANONYMOUS:
+                return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "this method needs the admin key: "
+                                "send metadata 'authorization: Bearer <admin key>'")
+            if not caller.privileged:
+                return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "this method needs the admin key, "
+                                "not an inference key")
             return handler
-        return _refusal(handler)
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
-    async def refuse(_request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+        if caller is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with ``code``."""
+    async def refuse(_request, context):
+        await context.abort(code, message)
 
     kinds = ((handler.unary_unary, grpc.unary_unary_rpc_method_handler),
              (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
@@ -101,30 +143,58 @@ def _deadline(context, request_timeout: float | None) -> float | None:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """Maps the proto API onto :class:`cluster.replica.coordinator.Coordinator`."""
+    """Maps the proto API onto :class:`cluster.replica.coordinator.Coordinator`, with the caller's
+    limits: prompt characters before tokenizing (off the event loop), per-key rates for direct
+    callers (the router's calls were counted at the router), the caller's tenant as the prefix-cache
+    salt, and the prefix-cache counter for privileged callers only.
 
-    def __init__(self, coordinator, request_timeout: float | None = None) -> None:
-        self.coordinator = coordinator
-        self.request_timeout = request_timeout
+    Args:
+        coordinator: the replica.
+        front: keys, limits and the request timeout.
+    """
 
-    def _prompt_ids(self, request) -> list[int]:
+    def __init__(self, coordinator, front: FrontConfig) -> None:
+        self.coordinator, self.front = coordinator, front
+        self.limits = front.limits
+        self.rates = RateLimiter(front.limits.rate_limit_requests, front.limits.rate_limit_tokens)
+
+    def _caller(self, context) -> Caller:
+        """Who calls (the interceptor already refused unknown keys)."""
+        return self.front.identify(_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
+
+    async def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            return self.coordinator.encode(chat=_chat(request.chat))
-        return self.coordinator.encode(text=request.text)
+            chat = _chat(request.chat)
+            self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
+            return await self.coordinator.encode_async(chat=chat)
+        self.limits.check_prompt_chars(len(request.text), "text")
+        return await self.coordinator.encode_async(text=request.text)
 
     async def Generate(self, request, context):
         from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
 
+        caller, charged, used = self._caller(context), 0, 0
         try:
-            prompt_ids = self._prompt_ids(request)
+            if not caller.privileged:
+                self.rates.admit_request(caller.key_id)
+            prompt_ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            if not caller.privileged:
+                charged = self.rates.charge_tokens(caller.key_id, len(prompt_ids) + (params.max_tokens or 0))
+            tenant = request.tenant if caller.privileged else caller.tenant
+            group = request.group_id if caller.privileged and request.group_id else None
             stream = self.coordinator.generate(prompt_ids, params, request.request_id or None,
-                                               deadline=_deadline(context, self.request_timeout))
+                                               deadline=_deadline(context, self.front.request_timeout),
+                                               cache_seed=cache_seed(tenant, request.cache_salt), group=group)
             async for out in stream:
+                used = out.num_prompt_tokens + out.num_output_tokens
                 yield _response(out)
+        except LimitExceeded as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status in (413, 429) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -135,27 +205,48 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
         except RequestAborted as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            if charged:
+                self.rates.settle(caller.key_id, charged, used)
 
     async def Tokenize(self, request, context):
+        from shardserve.cluster.replica.coordinator import QueueFull
+
+        caller = self._caller(context)
         try:
+            if not caller.privileged:
+                self.rates.admit_request(caller.key_id)
             if request.WhichOneof("prompt") == "chat":
-                ids = self.coordinator.encode(chat=_chat(request.chat))
+                chat = _chat(request.chat)
+                self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
+                ids = await self.coordinator.encode_async(chat=chat)
             else:
-                ids = self.coordinator.encode(text=request.text)
+                self.limits.check_prompt_chars(len(request.text), "text")
+                ids = await self.coordinator.encode_async(text=request.text)
+        except LimitExceeded as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status in (413, 429) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids)
 
     async def ModelInfo(self, request, context):
         info = self.coordinator.model_info()
+        if not self._caller(context).privileged:   # a cache counter is a side channel between tenants
+            info["prefix_cache_hit_tokens"] = 0
         workers = [pb.WorkerProcess(**worker) for worker in info.pop("workers")]
         return pb.ModelInfoResponse(**info, workers=workers)
 
     async def ReloadWeights(self, request, context):
         from shardserve.cluster.replica.coordinator import ReplicaUnavailable
+        from shardserve.cluster.replica.reload_guard import ReloadRefused
 
         try:
             result = await self.coordinator.reload_weights(request.model or None, request.mode or None)
+        except ReloadRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ReplicaUnavailable as exc:
@@ -179,23 +270,37 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+def server_options(limits: Limits) -> list[tuple[str, int]]:
+    """grpcio server options: message size, concurrent streams per connection, keepalive and ping
+    abuse limits, header size. No SO_REUSEPORT: a second server on a port in use must fail, not
+    share the port's connections (the replica being replaced in a rolling upgrade may still hold
+    it while it drains)."""
+    return [("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", limits.max_request_body_bytes),
+            ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION),
+            ("grpc.max_metadata_size", GRPC_MAX_METADATA_BYTES),
+            ("grpc.keepalive_time_ms", 60_000),                  # ping idle clients every minute
+            ("grpc.keepalive_timeout_ms", 20_000),               # and drop those that do not answer
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 2),                  # ping floods end the connection
+            ("grpc.max_connection_idle_ms", 30 * 60_000)]
+
+
 async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfig | None = None) -> GrpcServer:
-    """Serve ``coordinator`` on ``host:port`` (0 = any free port) under ``front``'s rules (API keys,
-    TLS, request timeout); a non-loopback ``host`` without a key logs a warning.
+    """Serve ``coordinator`` on ``host:port`` (0 = any free port) under ``front``'s rules (roles,
+    limits, TLS, request timeout). The caller refuses a non-loopback ``host`` without a key
+    (:func:`cluster.frontend.security.refuse_exposed`) before the model loads.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     front = front or FrontConfig()
-    interceptors = [ApiKeyInterceptor(front.api_keys)] if front.api_keys else []
-    # No SO_REUSEPORT: a second server on a port in use must fail, not share the port's connections
-    # (the replica being replaced in a rolling upgrade may still hold it while it drains).
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator, front.request_timeout), server)
+    server = grpc.aio.server(interceptors=[AccessInterceptor(front)], options=server_options(front.limits),
+                             maximum_concurrent_rpcs=front.limits.grpc_max_concurrent_rpcs)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(coordinator, front), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    warn_if_exposed(host, front.api_keys, "the gRPC server")
     tls = front.grpc_tls()
     try:
         if tls is None:

@@ -38,7 +38,6 @@ def test_every_replica_must_be_ready():
     assert response.status_code == 503 and "replica 1: recovering: shard worker failed" in body["error"]["message"]
 
 
-KEY_METADATA = (("authorization", "Bearer sk-admin"),)
 
 
 class _Stub:
@@ -48,7 +47,7 @@ class _Stub:
         self.log, self.index, self.error = log, index, error
 
     async def ReloadWeights(self, request, metadata=()):
-        assert metadata == KEY_METADATA, "the router's key goes to every replica"
+        assert metadata == (("authorization", f"Bearer token-{self.index}"),), "each replica's own internal token"
         self.log.append((self.index, request.model, request.mode))
         if self.error is not None:
             raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -60,20 +59,26 @@ class _Stub:
 def _pool(log: list, errors: dict) -> ReplicaPool:
     pool = ReplicaPool(2)
     for index, replica in enumerate(pool.replicas):
-        pool.update(index, {"state": "ready", "address": None, "info": {"healthy": True}})
+        pool.update(index, {"state": "ready", "address": None, "info": {"healthy": True}, "token": f"token-{index}"})
         replica.stub = _Stub(log, index, errors.get(index))
     return pool
 
 
 def test_replicas_reload_one_after_another_and_a_refusal_stops_the_rollout():
     log: list = []
-    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}', KEY_METADATA))
+    response = asyncio.run(reload_weights(_pool(log, {}), b'{"model": "/new", "mode": "abort"}'))
     body = json.loads(response.body)
     assert response.status_code == 200 and log == [(0, "/new", "abort"), (1, "/new", "abort")]
     assert (body["changed_tensors"], body["weights_version"], body["aborted_requests"]) == (1, 2, 1)
     assert [answer["replica"] for answer in body["replicas"]] == [0, 1]
     log.clear()
-    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}", KEY_METADATA))
+    response = asyncio.run(reload_weights(_pool(log, {0: grpc.StatusCode.INVALID_ARGUMENT}), b"{}"))
     body = json.loads(response.body)
     assert response.status_code == 400 and body["error"]["code"] == "invalid_checkpoint" and len(log) == 1
     assert "tensor 'w'" in body["error"]["message"]
+    log.clear()   # a replica that refuses to start (lock held, drain timed out): 409, the rollout stops
+    response = asyncio.run(reload_weights(_pool(log, {1: grpc.StatusCode.FAILED_PRECONDITION}), b"{}"))
+    body = json.loads(response.body)
+    assert response.status_code == 409 and body["error"]["code"] == "reload_refused" and len(log) == 2
+    assert "replicas reloaded before it: [0]" in body["error"]["message"]
+    assert "token-" not in response.body.decode()   # no credential in an error body

@@ -1,6 +1,7 @@
 """The command line's contract without loading a model or starting Ray: every flag documents its
 default and unit, bad arguments are one line and exit code 2 before anything loads, ``--stop``
-escapes; and the front door's building blocks (API keys, bind warnings, TLS pairs)."""
+escapes; and the front door's building blocks (API keys and roles, secure bind defaults, TLS pairs,
+limits, the reload root)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from shardserve.cluster import cli
-from shardserve.cluster.frontend.security import FrontConfig, bearer_matches, is_loopback, load_api_keys, warn_if_exposed
+from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter, parse_rate_limit
+from shardserve.cluster.frontend.security import (
+    FrontConfig, contained_path, is_loopback, key_digest, load_api_keys, refuse_exposed)
 
 # A numeric flag names its unit with one of these words (or is listed as unitless).
-UNITS = ("token", "GiB", "second", "request", "sequence", "rank", "CPU", "GPU", "port", "replica", "keys", "pod")
+UNITS = ("token", "GiB", "second", "request", "sequence", "rank", "CPU", "GPU", "port", "replica", "keys", "pod",
+         "bytes", "characters", "prompts")
 UNITLESS = {"--seed", "--temperature", "--top-p", "--tensor-split"}
 
 
@@ -105,7 +109,11 @@ def test_quantization_of_a_known_gguf_model_is_refused_before_anything_loads(com
     (["--grpc-tls-key", "/etc/hostname"], "--grpc-tls-key needs --grpc-tls-cert"),
     (["--grpc-tls-cert", "/no/cert.pem", "--grpc-tls-key", "/etc/hostname"], "--grpc-tls-cert /no/cert.pem: no such"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
-    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--request-timeout", "-1"], "--request-timeout must be > 0"),
+    (["--max-prompt-chars", "0"], "--max-prompt-chars must be a positive integer"),
+    (["--rate-limit", "ten"], "--rate-limit takes REQUESTS[,TOKENS]"),
+    (["--api-key", "same", "--admin-api-key", "same"], "must not also be an inference API key"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 would let anyone who reaches it use the model"),
 ])
 def test_front_door_settings_are_checked_before_ray_starts(command, flags, message, nothing_loads, capsys):
     code, err = run_main([command, "--model", "smollm2-135m-instruct"] + flags, capsys)
@@ -119,6 +127,19 @@ def test_https_certificate_without_its_key_is_one_line_and_exit_2():
     assert proc.returncode == 2 and proc.stderr == "shardserve: error: --ssl-certfile needs --ssl-keyfile too\n"
 
 
+def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command="serve"):
+    """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started
+    (``serve-grpc`` alike: test_front_door_settings_are_checked_before_ray_starts)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDSERVE_API_KEY", "SHARDSERVE_ADMIN_API_KEY")}
+    proc = subprocess.run([str(Path(sys.executable).parent / "shardserve"), command, "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("shardserve: error: --host 0.0.0.0 would let anyone") and "--allow-unauthenticated" \
+        in proc.stderr
+
+
 def test_api_keys_come_from_the_flag_a_file_or_the_environment(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# operators\nk2\n\nk3\n")
@@ -129,26 +150,72 @@ def test_api_keys_come_from_the_flag_a_file_or_the_environment(tmp_path):
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ValueError, match="holds no key"):
         load_api_keys(None, str(tmp_path / "empty"))
-    assert "k1" not in repr(FrontConfig(api_keys=["k1"]))   # never in a log line
+    front = FrontConfig.from_keys(["k1"], ["adm"])
+    assert "k1" not in repr(front) and "adm" not in repr(front)   # never in a log line
+    assert "k1" not in str(front.api_key_digests) and front.api_key_digests == [key_digest("k1")]
 
 
-def test_bearer_header_matching():
-    keys = ["alpha", "beta"]
-    assert bearer_matches("Bearer beta", keys) and bearer_matches("bearer alpha", keys)
+def test_callers_are_identified_by_role_and_never_by_key_text():
+    front = FrontConfig.from_keys(["alpha", "beta"], ["root-key"], internal_digest=key_digest("tok"))
+    assert front.identify("Bearer beta").role == "client" and front.identify("bearer alpha").role == "client"
+    assert front.identify("Bearer root-key").role == "admin" and front.identify("Bearer tok").role == "internal"
+    beta = front.identify("Bearer beta")
+    assert beta.key_id == "key-" + key_digest("beta")[:12] and "beta" not in beta.key_id
+    assert beta.tenant == key_digest("beta") and not beta.privileged and front.identify("Bearer tok").privileged
     for header in (None, "", "beta", "Bearer", "Bearer bet", "Bearer betaa", "Basic beta", "Bearer \udc80"):
-        assert not bearer_matches(header, keys), header
+        assert front.identify(header) is None, header
+    open_front = FrontConfig.from_keys([], ["root-key"])   # no inference keys: anyone, but not admin
+    assert open_front.identify(None).role == "anonymous" and open_front.identify("Bearer x").role == "anonymous"
 
 
-def test_non_loopback_binds_without_a_key_warn(caplog):
+def test_non_loopback_binds_without_a_key_are_refused_unless_allowed(caplog):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    with pytest.raises(ValueError, match="--allow-unauthenticated"):
+        refuse_exposed("0.0.0.0", False, False, "--host")
+    refuse_exposed("0.0.0.0", True, False, "--host")
+    refuse_exposed("127.0.0.1", False, False, "--host")
     with caplog.at_level(logging.WARNING):
-        assert warn_if_exposed("0.0.0.0", [], "the HTTP server")
-        assert not warn_if_exposed("0.0.0.0", ["k"], "the HTTP server")
-        assert not warn_if_exposed("127.0.0.1", [], "the HTTP server")
+        refuse_exposed("0.0.0.0", False, True, "--host")
     assert len(caplog.records) == 1 and "without an API key" in caplog.records[0].getMessage()
     assert cli.build_parser().parse_args(["serve-grpc"]).host == "127.0.0.1"
     assert cli.build_parser().parse_args(["serve"]).host == "127.0.0.1"
+
+
+def test_paths_are_contained_in_the_allowed_root_without_an_existence_oracle(tmp_path):
+    root = tmp_path / "models"
+    (root / "ckpt").mkdir(parents=True)
+    (root / "out").symlink_to(tmp_path)              # a link out of the root
+    assert contained_path(root / "ckpt", root) == (root / "ckpt").resolve()
+    assert contained_path(root / "missing", root) == (root / "missing").resolve()   # inside: the caller checks
+    for outside in ("/etc/passwd", "/no/such/file", str(root / ".." / "x"), str(root / "out" / "x"), "relative"):
+        assert contained_path(outside, root) is None, outside
+
+
+def test_limits_and_rates():
+    assert parse_rate_limit("60") == (60, None) and parse_rate_limit("60,1000") == (60, 1000)
+    limits = Limits(max_prompt_chars=10, max_choices=4)
+    limits.check_prompt_chars(10, "prompt")
+    with pytest.raises(LimitExceeded) as err:
+        limits.check_prompt_chars(11, "prompt")
+    assert err.value.status == 400 and err.value.param == "prompt"
+    with pytest.raises(LimitExceeded):
+        limits.check_choices(2, 3)
+    now = [0.0]
+    rates = RateLimiter(2, 100, clock=lambda: now[0])
+    rates.admit_request("k")
+    rates.admit_request("k")
+    with pytest.raises(LimitExceeded) as err:
+        rates.admit_request("k")
+    assert err.value.status == 429 and 29 < err.value.retry_after <= 30   # one request refills in 30 s
+    rates.admit_request("other")                                          # per key
+    charged = rates.charge_tokens("other", 80)
+    with pytest.raises(LimitExceeded):
+        rates.charge_tokens("other", 30)
+    rates.settle("other", charged, 10)          # used 10 of 80: 70 back
+    assert rates.charge_tokens("other", 30) == 30
+    now[0] = 60.0
+    rates.admit_request("k")                    # a minute later the budget is back
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "abc"], ["serve", "--port", "99999"],

@@ -112,11 +112,41 @@ def kuberay_rules(doc: dict) -> list[str]:
     return errors
 
 
+def network_policy_errors(doc: dict) -> list[str]:
+    """The API server's shape of a ``networking.k8s.io/v1`` NetworkPolicy (the fields used here)."""
+    errors, spec = [], doc.get("spec", {})
+    if set(doc) - {"apiVersion", "kind", "metadata", "spec"} or set(spec) - {"podSelector", "policyTypes", "ingress",
+                                                                              "egress"}:
+        errors.append("unknown fields")
+    if not isinstance(spec.get("podSelector", {}).get("matchLabels"), dict):
+        errors.append("spec.podSelector.matchLabels")
+    if not set(spec.get("policyTypes", [])) <= {"Ingress", "Egress"}:
+        errors.append("policyTypes")
+    for rule in spec.get("ingress", []):
+        if set(rule) - {"from", "ports"}:
+            errors.append(f"ingress rule {rule}")
+        for peer in rule.get("from", []):
+            if not peer or set(peer) - {"podSelector", "namespaceSelector", "ipBlock"}:
+                errors.append(f"peer {peer}")
+        for port in rule.get("ports", []):
+            if port.get("protocol") not in ("TCP", "UDP", "SCTP") or not isinstance(port.get("port"), int):
+                errors.append(f"port {port}")
+    return errors
+
+
+def rayservice_doc(path: Path) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "RayService"]
+    return doc
+
+
 def test_every_manifest_passes_the_crd_schema_and_kuberay_rules(validators):
     docs = documents()
     assert {path.name for path, _ in docs} >= {"rayservice.yaml", "rayservice-deepseek-v32-gpu.yaml"}
     for path, doc in docs:
         key = (doc["apiVersion"], doc["kind"])
+        if key == ("networking.k8s.io/v1", "NetworkPolicy"):
+            assert not network_policy_errors(doc), f"{path.name}: {network_policy_errors(doc)}"
+            continue
         if key not in validators:
             assert doc["apiVersion"] == "v1", f"{path.name}: no schema for {key}"   # core objects only
             continue
@@ -125,7 +155,7 @@ def test_every_manifest_passes_the_crd_schema_and_kuberay_rules(validators):
 
 
 def test_the_schema_check_catches_what_the_api_server_would(validators):
-    (_, doc), = [(p, d) for p, d in documents() if p.name == "rayservice.yaml"]
+    (_, doc), = [(p, d) for p, d in documents() if p.name == "rayservice.yaml" and d["kind"] == "RayService"]
     validator = validators[("ray.io/v1", "RayService")]
     typo = copy.deepcopy(doc)
     typo["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replica"] = 2       # unknown field
@@ -137,7 +167,8 @@ def test_the_schema_check_catches_what_the_api_server_would(validators):
         assert list(validator.iter_errors(broken))
 
 
-def test_serve_configs_pass_ray_serves_schema_and_the_app_arguments():
+def test_serve_configs_pass_ray_serves_schema_and_the_app_arguments(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_API_KEY", "sk-from-the-secret")   # as in the pods: grpc_host 0.0.0.0 needs a key
     for path, doc in documents():
         if doc["kind"] != "RayService":
             continue
@@ -163,8 +194,9 @@ def worker_group(doc: dict) -> dict:
 
 
 def test_gpu_example_spans_one_replica_over_two_8_gpu_pods():
-    doc = yaml.safe_load((REPO / "k8s" / "rayservice-deepseek-v32-gpu.yaml").read_text())
-    args = ServeArgs.from_dict(yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"])
+    doc = rayservice_doc(REPO / "k8s" / "rayservice-deepseek-v32-gpu.yaml")
+    args = ServeArgs.from_dict(dict(yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"],
+                                    allow_unauthenticated=True))
     group = worker_group(doc)
     (container,) = group["template"]["spec"]["containers"]
     assert (args.tensor_parallel_size, args.data_parallel_size, args.gpus_per_worker) == (16, 1, 1)
@@ -192,7 +224,7 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
                  f"{tls}/tls.key", "--grpc-tls-cert", f"{tls}/tls.crt", "--grpc-tls-key", f"{tls}/tls.key"]) == 0
     text = capsys.readouterr().out
     assert "sk-of-this-shell" not in text and "kubectl create secret tls shardserve-tls" in text
-    doc = yaml.safe_load(text)
+    doc = next(yaml.safe_load_all(text))
     errors = list(validators[("ray.io/v1", "RayService")].iter_errors(doc))
     assert not errors + kuberay_rules(doc), errors + kuberay_rules(doc)
     config = yaml.safe_load(doc["spec"]["serveConfigV2"])
@@ -226,15 +258,83 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
      "STRICT_PACK puts a replica's 4 workers on one pod"),
     (["-tp", "2", "--gpus-per-pod", "8"], "would not use the GPUs"),
     (["--name", "Shard_Serve"], "DNS-1035 label"),
-    (["--api-key", "sk-secret"], "put them in a Secret and pass --api-key-secret"),
-    (["--api-key-file", "/etc/keys"], "put them in a Secret and pass --api-key-secret"),
+    (["--api-key", "sk-secret"], "put them in Secrets and pass --api-key-secret"),
+    (["--api-key-file", "/etc/keys"], "put them in Secrets and pass --api-key-secret"),
+    (["--admin-api-key-file", "/etc/keys"], "put them in Secrets and pass --api-key-secret"),
     (["--grpc-tls-cert", "/etc/shardserve/tls/tls.crt"], "--grpc-tls-cert needs --grpc-tls-key too"),
     (["--ssl-keyfile", "/etc/shardserve/tls/tls.key"], "--ssl-keyfile needs --ssl-certfile too"),
 ])
 def test_a_layout_that_cannot_fit_is_one_line_and_exit_2(bad, message, capsys):
-    assert main(["manifest", *bad]) == 2
+    assert main(["manifest", "--api-key-secret", "keys", *bad]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
+
+
+def test_the_lock_pins_every_dependency_exactly():
+    """requirements.lock (written by `make lock`) pins each package of pyproject.toml and everything
+    they pull in to one version; the GPU lock is the same list less what torch's CUDA wheels pin."""
+    tomllib = pytest.importorskip("tomllib")
+    pins = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert re.fullmatch(r"[a-z0-9-]+", name) and re.fullmatch(r"[0-9][0-9A-Za-z.]*", version), line
+            pins[name] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    for requirement in wanted:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]).lower()
+        assert name in pins, f"{name} is not in requirements.lock: run `make lock`"
+    assert {"pip", "setuptools", "torch"} <= set(pins) and pins["torch"] == "2.13.0"
+    gpu = [line for line in (REPO / "requirements-gpu.lock").read_text().splitlines() if not line.startswith("#")]
+    assert set(gpu) == {f"{n}=={v}" for n, v in pins.items() if n != "triton" and not n.startswith("nvidia-")}
+
+
+def test_generated_clusters_are_closed_by_default(capsys):
+    """Issue 27: a key Secret, Ray's control plane closed (NetworkPolicy, dashboard not on 0.0.0.0,
+    no client port), non-root pods with a restricted securityContext and no service-account token
+    but in the autoscaler; a LoadBalancer needs a key and HTTPS."""
+    for bad, message in ((["-tp", "2"], "pass --api-key-secret NAME[:KEY]"),
+                         (["--api-key-secret", "k", "--service-type", "LoadBalancer"], "needs --api-key-secret and HTTPS"),
+                         (["--allow-unauthenticated", "--service-type", "LoadBalancer"], "LoadBalancer")):
+        assert main(["manifest", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    tls = ["--tls-secret", "t", "--ssl-certfile", "/etc/shardserve/tls/tls.crt", "--ssl-keyfile",
+           "/etc/shardserve/tls/tls.key"]
+    assert main(["manifest", "--api-key-secret", "k", "--service-type", "LoadBalancer", *tls]) == 0
+    capsys.readouterr()
+    for path in MANIFESTS:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        (service,) = [d for d in docs if d["kind"] == "RayService"]
+        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        cluster = service["spec"]["rayClusterConfig"]
+        head = cluster["headGroupSpec"]
+        assert head["rayStartParams"]["dashboard-host"] == "$(SHARDSERVE_POD_IP)", path.name   # never 0.0.0.0
+        assert "0.0.0.0" not in str(head["rayStartParams"]) and cluster["authOptions"] == {"mode": "token"}
+        pods = [head["template"]] + [group["template"] for group in cluster["workerGroupSpecs"]]
+        labels = {pod["metadata"]["labels"]["shardserve.io/app"] for pod in pods}
+        assert labels == {service["metadata"]["name"]} == {policy["spec"]["podSelector"]["matchLabels"]["shardserve.io/app"]}
+        for pod in pods:
+            spec = pod["spec"]
+            assert spec["automountServiceAccountToken"] is False
+            assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 1000
+            for container in spec["containers"]:
+                context = container["securityContext"]
+                assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+                env = {e["name"]: e for e in container["env"]}
+                assert env["SHARDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"], path.name
+                assert "value" not in env["SHARDSERVE_API_KEY"]
+                assert 10001 not in [p["containerPort"] for p in container.get("ports", [])]   # no Ray client port
+        autoscaler = cluster.get("autoscalerOptions")
+        if autoscaler:   # its token is mounted into the autoscaler sidecar alone
+            (mount,) = autoscaler["volumeMounts"]
+            assert mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+            assert mount["name"] in {v["name"] for v in head["template"]["spec"]["volumes"]}
+        own, operator, serve = policy["spec"]["ingress"]
+        assert own == {"from": [{"podSelector": {"matchLabels": {"shardserve.io/app": service["metadata"]["name"]}}}]}
+        assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+        assert serve == {"ports": [{"protocol": "TCP", "port": 8000}]} and "from" not in serve   # Serve port only
 
 
 def run_lines(dockerfile: Path) -> list[str]:
@@ -243,15 +343,18 @@ def run_lines(dockerfile: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-@pytest.mark.parametrize("name,base,extras,index", [
-    ("Dockerfile", "python:3.11-slim", "", "https://download.pytorch.org/whl/cpu"),
-    ("Dockerfile.gpu", "nvidia/cuda:12.8.1-runtime-ubuntu24.04", "gpu", "https://download.pytorch.org/whl/cu128"),
+@pytest.mark.parametrize("name,base,extras,index,lock", [
+    ("Dockerfile", "python:3.11-slim", "", "https://download.pytorch.org/whl/cpu", "requirements.lock"),
+    ("Dockerfile.gpu", "nvidia/cuda:12.8.1-runtime-ubuntu24.04", "gpu", "https://download.pytorch.org/whl/cu128",
+     "requirements-gpu.lock"),
 ])
-def test_images_install_the_package_the_way_make_install_does(name, base, extras, index):
+def test_images_install_the_package_the_way_make_install_does(name, base, extras, index, lock):
     lines = run_lines(REPO / name)
-    assert lines[0] == f"FROM {base}"
+    assert re.fullmatch(rf"FROM {re.escape(base)}@sha256:[0-9a-f]{{64}}", lines[0]), lines[0]   # pinned by digest
     (install,) = [line for line in lines if "make install" in line]
     assert f"EXTRAS={extras}" in install and "VENV=/opt/venv" in install
+    assert (f"LOCK={lock}" in install) == (lock != "requirements.lock")
+    assert "USER 1000" in lines and lines.index("USER 1000") > lines.index(install)   # installs as root, runs as not
     (arg,) = [line for line in lines if line.startswith("ARG TORCH_INDEX=")]
     torch_index = arg.split("=", 1)[1].strip('"')
     assert index in torch_index
@@ -265,10 +368,11 @@ def test_images_install_the_package_the_way_make_install_does(name, base, extras
     assert ".venv/" in dockerignore and ".git/" in dockerignore
     # the recipe `make install` runs with the image's variables: same steps, this venv and index
     recipe = subprocess.run(["make", "-n", "-B", "install", "VENV=/opt/venv", f"TORCH_INDEX={torch_index}",
-                             f"EXTRAS={extras}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert "/opt/venv/bin/python -m pip install -q torch==" in recipe and torch_index in recipe
+                             f"EXTRAS={extras}", f"LOCK={lock}"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout
+    assert f"/opt/venv/bin/python -m pip install -q -c {lock} torch==" in recipe and torch_index in recipe
     package = f"-e '.[{extras}]'" if extras else "-e '.'"
-    assert package in recipe
+    assert package in recipe and recipe.count(f"-c {lock}") == 3   # every pip install takes the lock
     if extras:
         tomllib = pytest.importorskip("tomllib")
         project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

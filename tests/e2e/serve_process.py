@@ -19,10 +19,11 @@ from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
 
-def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
-    """``(status, JSON body)`` of a GET (no body) or a JSON POST."""
+def http(url: str, body: dict | None = None, timeout: float = 120, key: str | None = None) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET (no body) or a JSON POST (``key``: sent as the bearer key)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"null")
@@ -49,9 +50,12 @@ class ServeProcess:
 
     Attributes:
         base: ``http://127.0.0.1:PORT``. grpc_address: replica 0's gRPC ``host:port``.
+        metadata: gRPC metadata of ModelInfo calls (``admin_key``: with it, the prefix-cache counter).
     """
 
-    def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400) -> None:
+    def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400,
+                 admin_key: str | None = None) -> None:
+        self.metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else ()
         http_port, grpc_port = free_port(), free_port()
         self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
         self.log_path = log_path   # the server's stderr
@@ -78,7 +82,7 @@ class ServeProcess:
         return http(self.base + "/health", timeout=10)[0]
 
     def model_info(self) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=self.metadata)
 
     def workers(self) -> dict[tuple[str, int], pb.WorkerProcess]:
         """``(role, rank) -> WorkerProcess`` as the replica last saw its workers."""

@@ -71,6 +71,7 @@ class Cluster:
     env: dict
     tmp: Path
     procs: list = field(default_factory=list)
+    gcs: str = ""   # host:port of the head's GCS
 
     def ray_list(self, kind: str) -> list[dict]:
         """Ray's state API (what `ray list KIND --detail` prints), from the dashboard."""
@@ -123,7 +124,7 @@ def cluster(tmp_path_factory):
     gcs, dash, client = free_port(), free_port(), free_port()
     env = subprocess_env()
     ray_tmp = tempfile.mkdtemp(prefix="ssmn", dir="/tmp")   # short: Ray's socket paths must fit 107 bytes
-    nodes = Cluster(f"http://127.0.0.1:{dash}", env, tmp)
+    nodes = Cluster(f"http://127.0.0.1:{dash}", env, tmp, gcs=f"127.0.0.1:{gcs}")
     try:
         nodes.procs.append(start_node(
             ["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--include-dashboard=true",
@@ -165,10 +166,10 @@ class App:
 
 
 def all_ready(base: str) -> dict | None:
+    """The app serves: ``/health`` says ok (one replica here: ``data_parallel_size`` 1)."""
     body = get_json(base + "/health")
-    states = [r["state"] for r in body.get("replicas", [])]
-    assert "failed" not in states, body
-    return body if body.get("status") == "ok" and states and all(s == "ready" for s in states) else None
+    assert body.get("status") != "unhealthy", body
+    return body if body.get("status") == "ok" else None
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +180,15 @@ def app(cluster):
     base = f"http://127.0.0.1:{http_port}"
     wait_for("the app", lambda: all_ready(base), 400, interval_s=1)
     return App(base, grpc_port, config)
+
+
+def test_serve_refuses_to_join_a_cluster_without_token_auth(cluster):
+    """Issue 27: this cluster runs with RAY_AUTH_MODE=disabled; ``serve --address`` says so in one line
+    (exit code 2) and deploys nothing."""
+    done = subprocess.run([str(BIN / "shardserve"), "serve", "--address", cluster.gcs, "--port", str(free_port())],
+                          env=cluster.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and "token authentication off" in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("shardserve: error:") == 1 and "--allow-ray-without-auth" in done.stderr
 
 
 def chat(base: str, stream: bool = False, max_tokens: int = 16) -> str:

@@ -31,6 +31,8 @@ ARCH = "deepseek_v32"
 LONG = " ".join(tiny_token_text(3 + (7 * i) % 120) for i in range(40))   # 2 full 16-token blocks, > top-k 8
 NUM_TOKENS = 12
 STREAM_TOKENS = 150
+ADMIN = "sk-admin-of-the-reload-tests"
+ADMIN_MD = (("authorization", f"Bearer {ADMIN}"),)   # reloads take the admin key (issue 27)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,14 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def server(folder, tmp_path_factory):
+    admin_file = folder.parent / "admin.key"
+    admin_file.write_text(ADMIN + "\n")
+    # reloads read other checkpoints from the tests' temporary folders: they are the allowed root
     proc = ServeProcess(str(folder), ["-tp", "2", "--speculative-tokens", "2", "--kv-cache-gib", "0.01",
-                                      "--max-model-len", "256"], folder.parent / "stderr.log")
+                                      "--max-model-len", "256", "--admin-api-key-file", str(admin_file),
+                                      "--allowed-model-root", str(tmp_path_factory.getbasetemp())],
+                        folder.parent / "stderr.log", admin_key=ADMIN)
     try:
         yield proc
     finally:
@@ -140,7 +147,7 @@ def test_one_changed_tensor_is_hot_swapped_and_matches_transformers(server, fold
     assert greedy(server) == before and server.model_info().prefix_cache_hit_tokens > hits   # a prefix-cache hit
     assert before == hf_greedy(server, folder)
     rewrite_tensor(folder, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", lambda t: 1.5 * t + 0.01)
-    status, body = http(server.base + "/admin/reload_weights", {})
+    status, body = http(server.base + "/admin/reload_weights", {}, key=ADMIN)
     assert status == 200, body
     assert (body["changed_tensors"], body["weights_version"], body["aborted_requests"]) == (1, version + 1, 0)
     assert body["unchanged_tensors"] > 50 and body["seconds"] > 0
@@ -152,7 +159,7 @@ def test_one_changed_tensor_is_hot_swapped_and_matches_transformers(server, fold
 
     # gRPC, a DSA indexer weight this time
     rewrite_tensor(folder, "model.layers.1.self_attn.indexer.wk.weight", lambda t: -t)
-    reply = server.stub.ReloadWeights(pb.ReloadWeightsRequest(), timeout=120)
+    reply = server.stub.ReloadWeights(pb.ReloadWeightsRequest(), timeout=120, metadata=ADMIN_MD)
     assert (reply.changed_tensors, reply.weights_version) == (1, version + 2)
     assert server.model_info().weights_version == version + 2
     assert greedy(server) == hf_greedy(server, folder)
@@ -177,11 +184,12 @@ def _other_vocab(folder: Path, dst: Path) -> None:
 def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(server, folder, tmp_path, make, message):
     before, version = greedy(server), server.model_info().weights_version
     make(folder, tmp_path / "bad")
-    status, body = http(server.base + "/admin/reload_weights", {"model": str(tmp_path / "bad")})
+    status, body = http(server.base + "/admin/reload_weights", {"model": str(tmp_path / "bad")}, key=ADMIN)
     assert status == 400 and message in body["error"]["message"], body
     assert body["error"]["code"] == "invalid_checkpoint"
     with pytest.raises(grpc.RpcError) as err:
-        server.stub.ReloadWeights(pb.ReloadWeightsRequest(model=str(tmp_path / "bad")), timeout=60)
+        server.stub.ReloadWeights(pb.ReloadWeightsRequest(model=str(tmp_path / "bad")), timeout=60,
+                                  metadata=ADMIN_MD)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     assert greedy(server) == before and server.model_info().weights_version == version
 
@@ -202,7 +210,7 @@ def test_reload_under_eight_streams_never_mixes_weights(server, folder, tmp_path
     wait_for("every stream produced tokens", lambda: all(s.tokens for s in streams), 60)
     answer: dict = {}
     reload = threading.Thread(target=lambda: answer.update(
-        zip(("status", "body"), http(server.base + "/admin/reload_weights", {"model": str(other), "mode": "drain"}))))
+        zip(("status", "body"), http(server.base + "/admin/reload_weights", {"model": str(other), "mode": "drain"}, key=ADMIN))))
     reload.start()
     wait_for("admission paused", lambda: server.model_info().admission_paused, 30, period_s=0.02)
     late = GrpcStream(server, texts[0])
@@ -215,7 +223,8 @@ def test_reload_under_eight_streams_never_mixes_weights(server, folder, tmp_path
     # abort: streams that produced output end with ABORTED; none mixes old and new weights
     streams = [GrpcStream(server, text) for text in texts]
     wait_for("every stream produced tokens", lambda: all(s.tokens for s in streams), 60)
-    reply = server.stub.ReloadWeights(pb.ReloadWeightsRequest(model=str(folder), mode="abort"), timeout=120)
+    reply = server.stub.ReloadWeights(pb.ReloadWeightsRequest(model=str(folder), mode="abort"), timeout=120,
+                                      metadata=ADMIN_MD)
     aborted = 0
     for stream, expected in zip(streams, new):
         stream.join()

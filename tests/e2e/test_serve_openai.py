@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import socket
 import time
 import urllib.error
@@ -26,6 +27,7 @@ from shardserve.proto import inference_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
+APP_NAME = "shardserve-test"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 JAPANESE = [{"role": "user", "content": "Write 'thank you' in Japanese."}]  # greedy answer: kana/kanji
 
@@ -47,9 +49,22 @@ def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
         return err.code, err.headers.get("Content-Type", ""), err.read()
 
 
+def replicas_ready(app_name: str, num_replicas: int) -> bool:
+    """Every model replica of ``app_name`` reports ready (through Serve: this process is the driver)."""
+    from ray import serve
+
+    try:
+        states = [serve.get_deployment_handle(f"ModelReplica{i}", app_name).status.remote().result(timeout_s=10)["state"]
+                  for i in range(num_replicas)]
+    except Exception:  # noqa: BLE001 - still deploying
+        return False
+    assert "failed" not in states, states
+    return all(state == "ready" for state in states)
+
+
 def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dict]]:
-    """Poll ``/health`` until every replica is ready; returns the router's answers seen before (503
-    while nothing serves, 200 once some replica does)."""
+    """Poll ``/health`` until it says ok and every replica is ready; returns the router's answers
+    seen before (503 ``loading`` while nothing serves, 200 once some replica does)."""
     seen, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -61,10 +76,10 @@ def wait_until_serving(base: str, timeout_s: float = 400) -> list[tuple[int, dic
             time.sleep(0.2)  # the proxy answers, the router is not deployed yet
             continue
         body = json.loads(raw)
-        if status == 200 and all(r["state"] == "ready" for r in body["replicas"]):
+        if status == 200 and replicas_ready(APP_NAME, 2):
             return seen
         seen.append((status, body))
-        assert not any(r["state"] == "failed" for r in body.get("replicas", [])), body
+        assert body["status"] != "unhealthy", body
         time.sleep(0.2)
     raise TimeoutError(f"{base} not ready after {timeout_s} s: {seen[-1:]}")
 
@@ -102,7 +117,7 @@ def server(ray_cluster):
                          "kv_cache_gib": 0.05, "max_model_len": MAX_MODEL_LEN, "grpc_host": "127.0.0.1",
                          "grpc_port": 0, "dtype": "float32"})   # as smollm2_llm
         # serve.run returns once every replica has loaded; watch /health meanwhile
-        deploying = ThreadPoolExecutor(1).submit(serve.run, app, name="shardserve-test", route_prefix="/")
+        deploying = ThreadPoolExecutor(1).submit(serve.run, app, name=APP_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         before_ready = wait_until_serving(base)
         deploying.result(timeout=120)
@@ -140,11 +155,7 @@ def test_answers_503_with_an_openai_body_until_loaded_then_lists_the_model(serve
     loading = [body for status, body in server.before_ready if status != 200]
     assert loading, "the app deploys at once and loads in the background: /health said 503 first"
     for status, body in server.before_ready:
-        assert status in (200, 503)
-        if status == 503:
-            assert body["error"]["type"] == "service_unavailable_error" and "loading" in body["error"]["message"]
-        else:  # one replica serves while the other still loads
-            assert "ready" in [r["state"] for r in body["replicas"]]
+        assert (status, body) in ((200, {"status": "ok"}), (503, {"status": "loading"}))   # nothing more
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     # each replica = one placement group: bundle 0 (the replica) + one bundle per TP rank, no nested group
@@ -308,15 +319,22 @@ def _valid_utf8(raw: bytes) -> bool:
         return False
 
 
-def test_grpc_api_of_a_replica_gives_the_same_answer(server):
-    _, _, raw = http(server.base + "/health")
-    address = json.loads(raw)["replicas"][0]["address"]
+def test_grpc_api_of_a_replica_gives_the_same_answer_and_the_admin_api_is_off(server):
+    from ray import serve
+
+    address = serve.get_deployment_handle("ModelReplica0", APP_NAME).status.remote().result(timeout_s=30)["address"]
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE[0]["content"])]),
                                      sampling=pb.SamplingParams(max_tokens=16, temperature=0))
         text = "".join(r.text for r in stub.Generate(request, timeout=60))
+        with pytest.raises(grpc.RpcError) as err:   # no admin key configured: no admin method (issue 27)
+            stub.ReloadWeights(pb.ReloadWeightsRequest(), timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert text == chat(server).choices[0].message.content
+    for method, path in (("POST", "/admin/reload_weights"), ("GET", "/admin/status")):
+        status, _, raw = http(server.base + path, {} if method == "POST" else None)
+        assert status == 404 and json.loads(raw)["error"]["code"] == "not_found", (path, raw)
 
 
 def wait_all_blocks_free(server, timeout_s: float = 30) -> dict[str, float]:
@@ -369,3 +387,85 @@ def test_32_concurrent_streams_finish_correctly_on_both_replicas_and_free_every_
     values = wait_all_blocks_free(server)
     assert values["shardserve_requests_in_flight"] == 0
     assert values["shardserve_time_to_first_token_seconds_count"] >= 32
+
+
+# -- structured outputs and sampling controls (issue 26) --------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "東京"]},
+                                         "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def grammar_matchers(server) -> list[int]:
+    """``num_grammar_matchers`` of every replica, over its own gRPC API."""
+    _, _, raw = http(server.base + "/health")
+    counts = []
+    for replica in json.loads(raw)["replicas"]:
+        with grpc.insecure_channel(replica["address"]) as channel:
+            counts.append(pb_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30).num_grammar_matchers)
+    return counts
+
+
+def test_structured_outputs_and_penalties_streamed_and_not_equal_the_engine(server, smollm2_llm, tokenizer):
+    import jsonschema
+
+    from shardserve.cluster.engine.request import StructuredOutputs
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    whole = chat(server, max_tokens=40, response_format=response_format).choices[0]
+    texts, reasons, _, _ = stream_chat(server, max_tokens=40, response_format=response_format)
+    assert whole.finish_reason == reasons[0] == "stop" and texts[0] == whole.message.content
+    jsonschema.validate(json.loads(whole.message.content), CITY)
+    sampled = chat(server, max_tokens=40, response_format=response_format, n=2, seed=3, temperature=0.9)
+    for choice in sampled.choices:   # n choices: one compile, one matcher each
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    (paris,) = tokenizer.encode(" Paris", add_special_tokens=False)
+    penalized = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(paris): -100})
+    regex = server.client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0,
+                                             extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    choice = chat(server, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "東京"]}})
+    free = chat(server, max_tokens=12, **penalized)
+    expected = smollm2_llm.generate([FRANCE, "My phone number is", FRANCE, FRANCE], [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs.json_schema(CITY)),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputs.regex(r"[0-9]{3}-[0-9]{4}")),
+        SamplingParams(max_tokens=16, temperature=0, structured_outputs=StructuredOutputs.choice(["Paris", "Lyon", "東京"])),
+        SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0, frequency_penalty=0.5,
+                       logit_bias={paris: -100})])
+    assert [whole.message.content, regex.choices[0].text, choice.choices[0].message.content,
+            free.choices[0].message.content] == [e.text for e in expected]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text) and choice.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra,param,fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format", 'does not compile: Unsupported type "objekt"'),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "the regex does not compile"),
+    ({"logit_bias": {"1000000": 5}}, "logit_bias", "outside the vocabulary [0, 49152)"),
+    ({"logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),
+    ({"allowed_token_ids": [49152]}, "allowed_token_ids", "outside the vocabulary"),
+])
+def test_bad_constraints_and_controls_are_400s_and_nothing_leaks(server, extra, param, fragment):
+    code, _, raw = http(server.base + "/v1/chat/completions", {"model": MODEL, "messages": FRANCE, **extra})
+    error = json.loads(raw)["error"]
+    assert code == 400 and error["param"] == param and fragment in error["message"], error
+    still = chat(server, max_tokens=8, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert still.choices[0].message.content in ("Paris", "Lyon")
+    wait_all_blocks_free(server)
+    assert grammar_matchers(server) == [0, 0]
+
+
+def test_a_client_leaving_a_constrained_stream_frees_its_blocks_and_matcher(server):
+    host, port = server.base.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": "Digits of pi:", "temperature": 0, "max_tokens": 300, "stream": True,
+            "structured_outputs": {"regex": "[0-9]{300}"}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(4):
+        assert resp.readline()
+    assert sum(grammar_matchers(server)) == 1   # the stream's, while it runs
+    conn.close()
+    wait_all_blocks_free(server, timeout_s=15)
+    assert grammar_matchers(server) == [0, 0]

@@ -40,8 +40,8 @@ def error_of(parse, body) -> OpenAIError:
     (parse_chat, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     (parse_chat, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (parse_chat, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
-    (parse_chat, {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    (parse_chat, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+    (parse_chat, {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
+    (parse_chat, {"messages": CHAT, "response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
     (parse_chat, {"messages": CHAT, "response_format": "text"}, "response_format", "an object"),
     (parse_chat, {"messages": CHAT, "stream": True, "stream_options": {"include_usage": "x"}}, "stream_options",
      "boolean"),
@@ -131,11 +131,11 @@ def test_router_answers_503_while_loading_and_checks_model_and_params_first():
             await core.close()
 
     health, models, chat, unknown, bad, not_json = asyncio.run(scenario())
-    for response in (health, models, chat):
+    assert health.status_code == 503 and json.loads(health.body) == {"status": "loading"}   # nothing more: open
+    for response in (models, chat):
         body = json.loads(response.body)
         assert response.status_code == 503 and body["error"]["type"] == "service_unavailable_error"
         assert "loading" in body["error"]["message"] and "0/2 replicas ready" in body["error"]["message"]
-    assert [r["state"] for r in json.loads(health.body)["replicas"]] == ["loading", "loading"]
     assert unknown.status_code == 404
     assert json.loads(unknown.body)["error"]["code"] == "model_not_found"
     assert bad.status_code == 400 and json.loads(bad.body)["error"]["param"] == "temperature"
@@ -167,7 +167,25 @@ def test_app_arguments():
         ServeArgs.from_dict({"gpu_memory_utilization": 1.2})
 
 
-def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
+def test_no_key_reaches_serve_init_args_only_digests_do():
+    """Issue 27: the deployments' init args (visible in Serve's state and dashboard) hold SHA-256
+    digests, never a key; the replicas' handles and the router's args alike."""
+    from shardserve.cluster.frontend.security import key_digest
+
+    app = build_app({"api_key": "sk-plain-key", "admin_api_key": "sk-admin-plain", "data_parallel_size": 2})
+    router = app._bound_deployment
+    args, replicas = router.init_args
+    for raw in [args] + [replica._bound_deployment.init_args[0] for replica in replicas]:
+        text = json.dumps(raw)
+        assert "sk-plain-key" not in text and "sk-admin-plain" not in text
+        assert raw["api_key_sha256"] == [key_digest("sk-plain-key")]
+        assert raw["admin_api_key_sha256"] == [key_digest("sk-admin-plain")]
+    front = ServeArgs.from_dict(args).front_config()
+    assert front.identify("Bearer sk-plain-key").role == "client" and front.identify("Bearer sk-admin-plain").role == "admin"
+
+
+def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_API_KEY", "sk-from-the-secret")   # the pods' grpc_host 0.0.0.0 needs a key
     repo = Path(__file__).resolve().parents[2]
     serve_config = yaml.safe_load((repo / "serve_config.yaml").read_text())
     manifest = next(yaml.safe_load_all((repo / "k8s" / "rayservice.yaml").read_text()))
@@ -182,25 +200,30 @@ def test_serve_config_and_kuberay_manifest_hold_valid_app_arguments():
 #    before a replica is needed) -------------------------------------------------------------------
 
 KEY = "sk-test-key"
+ADMIN = "sk-admin-key"
 
 
 async def _loading() -> dict:
     return {"state": "loading", "address": None, "error": None, "info": None}
 
 
-def app_requests(requests: list[tuple[str, str, dict, bytes | None]], api_keys=(KEY,), patch=None) -> list:
+def app_requests(requests: list[tuple[str, str, dict, bytes | None]], api_keys=(KEY,), patch=None,
+                 admin_keys=(), limits=None) -> list:
     """Send ``(method, path, headers, body)`` to a fresh app (router core with one loading replica)
     through ASGI in this process; returns the ``httpx2`` responses."""
     import httpx2
 
+    from shardserve.cluster.frontend.limits import Limits
     from shardserve.cluster.frontend.openai_app import build_openai_app
+    from shardserve.cluster.frontend.security import FrontConfig
 
     async def scenario():
-        core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
+        front = FrontConfig.from_keys(list(api_keys), list(admin_keys), limits=limits or Limits())
+        core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01, front=front)
         core.start()
         if patch:
             patch(core)
-        app = build_openai_app(core, list(api_keys))
+        app = build_openai_app(core)
         try:
             async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://app") as client:
                 return [await client.request(m, p, headers=h, content=b) for m, p, h, b in requests], app
@@ -234,9 +257,53 @@ def test_every_route_and_unknown_paths_need_the_key_except_health():
     assert all(resp.status_code != 401 for resp in with_key)
 
 
+def test_admin_routes_take_the_admin_key_only_and_are_off_without_one():
+    """Issue 27: 404 without an admin key configured; 403 for an inference key; 401 without a key."""
+    admin = [("POST", "/admin/reload_weights", b'{"mode": "bogus"}'), ("GET", "/admin/status", None),
+             ("GET", "/admin/anything", None)]
+    off, _ = app_requests([(m, p, BEARER, b) for m, p, b in admin])
+    assert [r.status_code for r in off] == [404, 404, 404] and off[0].json()["error"]["code"] == "not_found"
+    keys = [{}, BEARER, {"Authorization": f"Bearer {ADMIN}"}]
+    on, _ = app_requests([(m, p, h, b) for m, p, b in admin for h in keys], admin_keys=[ADMIN])
+    statuses = [r.status_code for r in on]
+    assert statuses[0:3] == [401, 403, 400]    # reload: the admin key reaches the route (its own 400)
+    assert statuses[3:6] == [401, 403, 200]    # status: replicas and per-key counters, admin only
+    assert statuses[6:9] == [401, 403, 404]
+    status = on[5].json()
+    assert status["replicas"][0]["state"] == "loading" and "prefix_cache_hit_tokens_by_key" in status
+    assert ADMIN not in on[5].text and KEY not in on[5].text
+    open_server, _ = app_requests([("GET", "/admin/status", {}, None), ("GET", "/v1/models", {}, None)],
+                                  api_keys=(), admin_keys=[ADMIN])
+    assert [r.status_code for r in open_server] == [401, 503]   # no inference key: inference open, admin not
+
+
+async def chunks(*parts: bytes):
+    for part in parts:
+        yield part
+
+
+def test_limits_answer_before_any_work():
+    """413 for a body over the limit (declared or streamed), 400 for too many choices or prompt
+    characters, 429 with Retry-After past the key's rate: all before the (loading) replicas matter."""
+    from shardserve.cluster.frontend.limits import Limits
+
+    limits = Limits(max_request_body_bytes=1000, max_prompt_chars=50, max_choices=4, rate_limit_requests=2)
+    big = json.dumps({"prompt": "x" * 2000}).encode()
+    requests = [("POST", "/v1/completions", BEARER, big),
+                ("POST", "/v1/completions", BEARER, chunks(big[:900], big[900:])),   # no Content-Length
+                ("POST", "/v1/completions", BEARER, json.dumps({"prompt": "y" * 51}).encode()),
+                ("POST", "/v1/completions", BEARER, json.dumps({"prompt": ["a", "b", "c"], "n": 2}).encode()),
+                ("POST", "/v1/completions", BEARER, json.dumps({"prompt": "z"}).encode())]
+    responses, _ = app_requests(requests, limits=limits)
+    codes = [(r.status_code, r.json()["error"]["code"]) for r in responses]
+    assert codes[:2] == [(413, "request_too_large")] * 2 and codes[2][0] == 400 and codes[3][0] == 400
+    assert "--max-prompt-chars" in responses[2].text and "--max-choices" in responses[3].text
+    assert codes[4] == (429, "rate_limit_exceeded") and int(responses[4].headers["retry-after"]) >= 1
+
+
 def test_routing_errors_and_bad_unicode_are_openai_bodies_and_a_crash_is_a_json_500():
     def crash(core):
-        async def boom(kind, body):
+        async def boom(kind, body, caller=None):
             raise RuntimeError("unexpected")
         core.generate = boom
 
@@ -271,7 +338,7 @@ def test_a_client_that_leaves_is_not_an_error(caplog):
     async def scenario(generate, first_message: dict) -> list[dict]:
         core = RouterCore(MODEL, [MODEL], [_loading], load_tokenizer=lambda: None, poll_s=0.01)
         core.generate = generate
-        app, sent = build_openai_app(core, []), []
+        app, sent = build_openai_app(core), []
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
                  "root_path": "", "scheme": "http", "server": ("app", 80), "client": ("c", 1), "http_version": "1.1"}
 
@@ -284,10 +351,10 @@ def test_a_client_that_leaves_is_not_an_error(caplog):
         await app(scope, receive, send)
         return sent
 
-    async def cancelled(kind, body):
+    async def cancelled(kind, body, caller=None):
         raise TaskCancelledError()
 
-    async def crash(kind, body):
+    async def crash(kind, body, caller=None):
         raise RuntimeError("unexpected")
 
     gone, body = {"type": "http.disconnect"}, {"type": "http.request", "body": b"{}", "more_body": False}

@@ -1,13 +1,14 @@
 """The Ray path: a coordinator with TP=2 shard workers and the DraftWorker actor in its own
 placement bundle (tp + 1). Greedy completions with speculation equal the single-process engine's
-plain decoding, the acceptance counters reach ModelInfo (also over gRPC) and Prometheus text, and
-every block returns to the pool."""
+plain decoding (with structured outputs and penalties too), the acceptance counters reach ModelInfo
+(also over gRPC) and Prometheus text, and every block returns to the pool."""
 
 from __future__ import annotations
 
 import pytest
 
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.engine.request import StructuredOutputs
 from shardserve.cluster.replica.worker_group import GroupConfig
 from spec_helpers import BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
 
@@ -22,7 +23,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint, arch, k, split, dispatch):
     path = mtp_checkpoint(arch).path
     batch = prompts()
-    expected = [d.token_ids for d in make_llm(path, 0).generate(batch, greedy())]
+    plain = make_llm(path, 0)
+    expected = [d.token_ids for d in plain.generate(batch, greedy())]
+    controlled = [greedy(12, structured_outputs=StructuredOutputs.regex("(w0[1-4][0-9])+w05[0-9]")),
+                  greedy(12, presence_penalty=1.0, repetition_penalty=1.5, logit_bias={7: 4.0}),
+                  greedy(12, structured_outputs=StructuredOutputs.choice(["w003w004", "w009"]), frequency_penalty=1.0)]
+    expected_controlled = [d.token_ids for d in plain.generate(batch, controlled)]
     args = EngineArgs(model=str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                       tensor_parallel_size=2, tensor_split=split, speculative_tokens=k)
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1, dispatch=dispatch))
@@ -30,6 +36,9 @@ def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint,
         assert replicas.groups[handle].bundle_count == 1 + 2 + 1   # coordinator, 2 shards, draft
         done = ray_cluster.get([handle.complete.remote(p, greedy()) for p in batch])   # one batch
         assert [d["token_ids"] for d in done] == expected
+        # structured outputs and penalties (rank 0 of TP=2 masks and penalizes the verification rows)
+        done = ray_cluster.get([handle.complete.remote(p, params) for p, params in zip(batch, controlled)])
+        assert [d["token_ids"] for d in done] == expected_controlled
         info = ray_cluster.get(handle.model_info.remote())
         assert info["speculative_tokens"] == k and info["spec_num_draft_tokens"] > 0
         assert len(info["spec_acceptance_rate"]) == k and info["spec_mean_acceptance_length"] >= 1.0

@@ -164,6 +164,24 @@ def test_safetensors_truncated_and_missing_shard(tmp_path):
         SafetensorsCheckpoint(sharded)
 
 
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "..", "",
+                                  "link.safetensors", 7])
+def test_index_shard_names_stay_in_the_checkpoint_folder(tmp_path, name):
+    """Issue 27: an index cannot make the loader (or the reload check) open a file outside its folder,
+    and the error is the same whether or not that file exists."""
+    from shardserve.workers.checkpoint_compat import check_complete
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    _save_tiny_safetensors(tmp_path)                           # a real file outside the folder
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
+    (folder / "link.safetensors").symlink_to(tmp_path / "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": name}}))
+    for read in (SafetensorsCheckpoint, check_complete):
+        with pytest.raises(CheckpointError, match="checkpoint folder"):
+            read(folder)
+
+
 def test_gguf_keeps_no_file_mapped_after_loading(tmp_path):
     """A loaded rank holds none of the GGUF file's pages: the reader (and its map of the whole
     file) is dropped when the checkpoint opens, and each tensor is mapped only while it is read
