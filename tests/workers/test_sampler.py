@@ -108,3 +108,12 @@ def test_a_mixed_batch_samples_on_the_device_and_reads_back_once(monkeypatch):
     top = logits[0].log_softmax(-1).topk(3)
     assert [i for i, _ in out[0].top_logprobs] == top.indices.tolist()
     assert out[3].logprob == pytest.approx(logits[3].log_softmax(-1)[alone[3]].item())
+    # Masked / penalized logits (a grammar forbids row 0's and row 4's argmax) are drawn from; the
+    # logprobs stay those of the raw logits, still without a host read.
+    processed = logits.clone()
+    processed[[0, 4], [alone[0], alone[4]]] = float("-inf")
+    with torch.inference_mode(), no_host_sync("the sampler on processed logits", uploads=True):
+        tokens, logprobs = sample_on_device(processed, options, indices, torch.Generator().manual_seed(31),
+                                            logprob_logits=logits)
+    assert tokens[0] == processed[0].argmax() != alone[0] and tokens[4] == processed[4].argmax() != alone[4]
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1))
