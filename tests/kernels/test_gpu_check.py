@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ["rms_norm", "rotary", "silu_and_mul", "hadamard", "store_kv", "paged_attention decode",
-       "paged_attention prefill", "mla decode", "mla sparse decode", "indexer decode", "indexer fp8-cache decode",
-       "indexer prefill", "fused_moe", "fp8_linear", "fp8 fused_moe", "gated_delta decode",
+OPS = ["rms_norm+residual", "rotary interleaved", "rotary half-split", "silu_and_mul", "hadamard", "store_kv",
+       "store_cache latent", "paged_attention decode", "paged_attention prefill", "mla decode", "mla sparse decode",
+       "indexer decode", "indexer fp8-cache decode", "indexer fp8-cache fp8-q decode", "indexer prefill",
+       "indexer fp8 prefill", "fused_moe", "fp8_linear", "fp8 fused_moe", "gated_delta decode",
        "gated_delta chunked prefill", "causal_conv1d decode", "causal_conv1d prefill"]
 CHECKS = (["placement: llama", "placement: deepseek_v32", "placement: qwen3_next", "parity fp32: llama",
            "parity bf16: deepseek_v32", "parity fp8: V3.2 FP8 kept", "graphs: qwen3_next seeded sampling",
