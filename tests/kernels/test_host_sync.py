@@ -73,6 +73,7 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow   # 5-30 s each: the Triton interpreter
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_decode_forward_has_no_host_sync(checkpoint, monkeypatch, arch):
     """One decode step of 3 sequences, on the torch references and then on the Triton kernels."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from procs import free_port, run_ranks
 
@@ -67,6 +68,7 @@ def _rank(rank: int, port: int, path: str, out_path: str) -> None:
         group.close()
 
 
+@pytest.mark.slow   # two gloo rank processes, each loading the model: ~65 s
 def test_placeholders_are_shared_on_the_device(tmp_path):
     write_tiny_llama(tmp_path / "llama")
     out_path = tmp_path / "out.pt"
