@@ -43,6 +43,7 @@ bench: install
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_dsa.py
+	$(PY) benchmarks/bench_long_context.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_qwen3_next.py
 	$(PY) benchmarks/bench_recovery.py

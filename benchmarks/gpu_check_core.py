@@ -19,9 +19,9 @@ PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 # @section function when that code lands.
 PENDING = {
     "memory-plan": ("memory: real memory after KV allocation and capture vs the plan",
-                    "needs workers/plan.py (the rank's memory plan, issue 24 items 4/6)"),
+                    "not written yet: workers/plan.py landed; the runner's check_memory_held does it at start-up"),
     "long-context": ("long context: prefill rows at 32K-160K tokens",
-                     "needs the tiled long-context prefill (issue 25)"),
+                     "not ported yet: main's long_context check (bench_long_context.py) into this harness"),
 }
 
 

@@ -273,9 +273,9 @@ def memory(ctx: Context, report: Report) -> None:
                              max_model_len=4096 if ctx.device == "cuda" else 128, gpu_memory_utilization=0.5,
                              kv_cache_bytes=1 << 26)
         if ctx.device == "cuda":
-            plan = runner.memory
+            plan = runner.plan
             blocks = runner.max_num_blocks()
-            report.check(0 < plan.cache and blocks * runner.bytes_per_block <= plan.cache,
+            report.check(0 < plan.kv_budget_bytes and blocks * runner.bytes_per_block <= plan.kv_budget_bytes,
                          f"memory: KV budget of {Path(path).name} at 0.5", plan.summary() + f"; {blocks} blocks")
         else:
             runner.profile_memory()   # the profiling forward runs; nothing is measured on CPU

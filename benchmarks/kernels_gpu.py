@@ -163,6 +163,53 @@ def attention_cases(dtype, small: bool) -> list[Case]:
                       lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
                       lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
                       work=batch * topk * (rank + rope) * size))
+    cases += long_prefill_cases(dtype, small)
+    return cases
+
+
+def _kernels(mode: str, fn):
+    """Run ``fn()`` with ``SHARDSERVE_KERNELS=mode`` (ops that dispatch inside, e.g. the expanded prefill)."""
+    import os
+
+    saved = os.environ.get("SHARDSERVE_KERNELS")
+    os.environ["SHARDSERVE_KERNELS"] = mode
+    try:
+        return fn()
+    finally:
+        os.environ.pop("SHARDSERVE_KERNELS") if saved is None else os.environ.__setitem__("SHARDSERVE_KERNELS", saved)
+
+
+def long_prefill_cases(dtype, small: bool) -> list[Case]:
+    """Issue 25's prefill: DSA's sparse prefill (a 2,048-token chunk, each token over its top-k) and
+    dense MLA expanded per key chunk (DeepSeek-V3.2 ranks, 16 heads per rank at TP 8)."""
+    from shardserve.kernels.mla_attention import mla_attention_ref
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.mla_prefill import mla_prefill_dense
+
+    q_len, ctx, heads, rank, rope, nope, v, topk = ((6, 40, 3, 64, 16, 32, 32, 8) if small
+                                                     else (2048, 8192, 16, 512, 64, 128, 128, 2048))
+    table, lens, (cache,) = _paged([ctx], 64, (rank + rope,), dtype)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+    q_lat = torch.randn(q_len, heads, rank, dtype=dtype, device=DEVICE)
+    q_pe = torch.randn(q_len, heads, rope, dtype=dtype, device=DEVICE)
+    scale = (nope + rope) ** -0.5
+    positions = torch.arange(ctx - q_len, ctx, device=DEVICE)
+    topk_idx = torch.stack([torch.randperm(int(p) + 1, device=DEVICE)[:topk] for p in positions])
+    topk_idx = torch.nn.functional.pad(topk_idx, (0, topk - topk_idx.shape[1]), value=-1).to(torch.int32)
+    args = (q_lat, q_pe, cache, table, lens, scale, qsl, topk_idx, ctx)
+    cases = [Case(f"mla sparse prefill q{q_len} ctx{ctx} topk{topk} H{heads}", dtype,
+                  lambda: mla_attention_triton(*args), lambda: mla_attention_ref(*args), "TFLOP/s",
+                  4 * q_len * heads * topk * (rank + rope))]
+    q_nope = torch.randn(q_len, heads, nope, dtype=dtype, device=DEVICE)
+    w_kv = (torch.randn(heads, nope + v, rank, device=DEVICE) * rank ** -0.5).to(dtype)
+
+    def expanded():
+        return mla_prefill_dense(q_nope, q_pe, cache, table, lens, qsl, w_kv, scale,
+                                 query_start_host=[0, q_len], seq_lens_host=[ctx])
+
+    flops = 2 * ctx * rank * heads * (nope + v) + 2 * q_len * heads * (ctx - q_len / 2) * (nope + rope + v)
+    cases.append(Case(f"mla expanded prefill q{q_len} ctx{ctx} H{heads}", dtype, lambda: _kernels("triton", expanded),
+                      lambda: _kernels("torch", expanded), "TFLOP/s", flops, tol_scale=2.0))
     return cases
 
 
@@ -454,7 +501,8 @@ def run_kernel_checks(report, interpret: bool = False, quick: bool = False, hbm:
     elif not quick:
         plans.append((BF16, False, True))
     for dtype, small, bench in plans:
-        builders = [elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases, recurrent_cases]
+        builders = [elementwise_cases, store_cases, attention_cases, long_prefill_cases, indexer_moe_cases, fp8_cases,
+                    recurrent_cases]
         if not small:   # serving decode shapes (their small versions are the fp8 / fused_moe cases above)
             builders.append(decode_cases)
         for build in builders:

@@ -52,6 +52,7 @@ from pathlib import Path
 from ray import serve
 
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.frontend.chat_output import ParserConfig
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.replica_pool import FAILED, READY, RECOVERING
@@ -107,6 +108,8 @@ class ServeArgs:
         request_timeout: seconds a request may take (None: no limit; default 600); past it, 408.
         grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
             every node); the router trusts the certificate when it dials them.
+        tool_call_parser, enable_auto_tool_choice, reasoning_parser: how the router parses chat
+            answers (vLLM's flags; see :class:`cluster.frontend.chat_output.ParserConfig`).
     """
 
     model: str = DEFAULT_MODEL
@@ -160,6 +163,9 @@ class ServeArgs:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -187,6 +193,7 @@ class ServeArgs:
         front = self.front_config()
         front.validate()
         refuse_exposed(self.grpc_host, front.requires_key, self.allow_unauthenticated, "grpc_host")
+        self.parser_config().validate()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -236,6 +243,9 @@ class ServeArgs:
         return dataclasses.replace(self, api_key=[], api_key_file=None, api_key_sha256=front.api_key_digests,
                                    admin_api_key=[], admin_api_key_file=None,
                                    admin_api_key_sha256=front.admin_key_digests)
+
+    def parser_config(self) -> ParserConfig:
+        return ParserConfig(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
@@ -387,7 +397,8 @@ class OpenAIRouter:
         self.front = cfg.front_config()
         self.core = RouterCore(cfg.model, cfg.served_names(),
                                [functools.partial(_replica_status, handle) for handle in replicas],
-                               functools.partial(_load_tokenizer, cfg.model), front=self.front)
+                               functools.partial(_load_tokenizer, cfg.model), front=self.front,
+                               parsers=cfg.parser_config())
         self.core.start()
         try:
             await self.core.wait_started()

@@ -26,6 +26,10 @@ class AttentionMetadata:
     max_seq_len: int                # host copy of max(seq_lens)
     step_cache: dict = field(default_factory=dict)  # tensors derived from the above, built once per step
     state: object = None            # StateMetadata (workers/state_cache.py) of hybrid recurrent models, else None
+    # Host copies of query_start_loc / seq_lens (plain lists), so prefill kernels can plan bounded
+    # chunks without reading the device; None where the builder has none (then read when needed).
+    query_start_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -129,5 +129,6 @@ def device_batch(host: HostBatch, stager: DeviceStager,
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=tables.view(num_seqs, width).to(torch.int32),
-        max_query_len=host.max_query_len, max_seq_len=host.max_seq_len)
+        max_query_len=host.max_query_len, max_seq_len=host.max_seq_len,
+        query_start_host=host.query_start_loc, seq_lens_host=host.seq_lens)
     return input_ids, meta, logits_rows

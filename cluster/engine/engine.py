@@ -142,8 +142,9 @@ class EngineCore:
         if params.structured_outputs is not None:
             if compiled_grammar is None:
                 compiled_grammar = self.grammar_compiler.compile(params.structured_outputs)
-            request.grammar = GrammarState(compiled_grammar, self.vocab_size)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, min_tokens=params.min_tokens)
+            request.grammar = GrammarState(compiled_grammar, self.vocab_size, params.structured_outputs.start_after)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                                             min_tokens=params.min_tokens)
         self.requests[request_id] = _Tracked(request, detokenizer)
         self.scheduler.add(request)
         return request_id

@@ -10,6 +10,11 @@ draw from the constrained target distribution; drafts are checked against the gr
 they are scheduled (the first one it rejects ends them). The matcher accepts each token the
 engine appends (:meth:`GrammarState.accept`); a rejected draft never reaches it.
 
+A constraint may start later (``StructuredOutputs.start_after``: the reasoning parser's end marker,
+e.g. ``</think>``, vLLM's structured outputs with a reasoning parser): until the output contains
+that token sequence the request samples freely (no bitmask, no draft check), and the grammar
+applies from the token after it, also when the marker ends inside a step's drafts.
+
 With async scheduling a constrained request does not run ahead (``Request.may_sample_more``):
 its next mask needs the token still being sampled. Preemption keeps the matcher as it is (the
 output stays); finishing, aborting or failing a request drops it (``Scheduler.finish``).
@@ -37,26 +42,53 @@ class GrammarState:
     Args:
         compiled: ``xgrammar.CompiledGrammar`` (``cluster/frontend/structured.py``).
         vocab_size: the model's vocabulary (bitmask width ``ceil(vocab_size / 32)``).
+        start_after: the grammar applies once the output contains these token ids (in a row);
+            empty = from the first output token.
     """
 
-    def __init__(self, compiled, vocab_size: int) -> None:
+    def __init__(self, compiled, vocab_size: int, start_after: tuple[int, ...] = ()) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.start_after = tuple(start_after)
+        self.started = not self.start_after
+        self._tail: list[int] = []   # the last output tokens while the marker is awaited
         _LIVE.add(self)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted."""
-        return self.matcher.is_terminated()
+        return self.started and self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
         """Advance by one emitted token; False (matcher unchanged) when the grammar forbids it."""
-        return self.matcher.accept_token(token_id)
+        if self.started:
+            return self.matcher.accept_token(token_id)
+        self._tail = (self._tail + [token_id])[-len(self.start_after):]
+        self.started = tuple(self._tail) == self.start_after
+        return True
+
+    def _free_drafts(self, draft_ids: list[int]) -> int | None:
+        """How many leading drafts come before the grammar starts (0 once started; None: the
+        marker does not complete within ``draft_ids``)."""
+        if self.started:
+            return 0
+        tail, n = list(self._tail), len(self.start_after)
+        for i, token in enumerate(draft_ids):
+            tail = (tail + [token])[-n:]
+            if tuple(tail) == self.start_after:
+                return i + 1
+        return None
 
     def valid_prefix(self, draft_ids: list[int]) -> int:
         """How many leading drafts the grammar accepts (the matcher is left as it was)."""
+        free = self._free_drafts(draft_ids)
+        if free is None:
+            return len(draft_ids)
+        return free + self._valid_prefix(draft_ids[free:])
+
+    def _valid_prefix(self, draft_ids: list[int]) -> int:
         accepted = 0
         for token in draft_ids:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token):
@@ -66,19 +98,23 @@ class GrammarState:
             self.matcher.rollback(accepted)
         return accepted
 
-    def bitmask(self, draft_ids: list[int]) -> torch.Tensor:
+    def bitmask(self, draft_ids: list[int]) -> torch.Tensor | None:
         """Rows ``0..len(draft_ids)`` of allowed tokens (row ``j``: after the first ``j`` drafts).
 
         Returns:
             ``[len(draft_ids) + 1, ceil(vocab_size / 32)]`` int32 CPU tensor; bit ``t % 32`` of
             word ``t // 32`` is 1 when token ``t`` is allowed. Rows after a draft the grammar
-            rejects allow everything: verification never reaches them.
+            rejects, and rows before the grammar starts, allow everything: verification never
+            reaches the former. None: the grammar does not start within these rows.
         """
         import xgrammar as xgr
 
+        free = self._free_drafts(draft_ids)
+        if free is None:
+            return None
         mask = xgr.allocate_token_bitmask(len(draft_ids) + 1, self.vocab_size)   # all ones
         accepted = 0
-        for row in range(len(draft_ids) + 1):
+        for row in range(free, len(draft_ids) + 1):
             self.matcher.fill_next_token_bitmask(mask, row)
             if row == len(draft_ids) or not self.matcher.accept_token(draft_ids[row]):
                 break

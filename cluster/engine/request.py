@@ -61,6 +61,9 @@ class StructuredOutputs:
         disable_any_whitespace: JSON kinds: one fixed separator style (``", "`` and ``": "``, no
             newlines or indentation) instead of any whitespace (vLLM's field of that name, xgrammar's
             ``any_whitespace=False``). Small models otherwise may emit whitespace without end.
+        start_after: the constraint applies after the output contains these token ids in a row
+            (the reasoning parser's end of thinking, e.g. ``</think>``: the model thinks freely,
+            then answers in the grammar); empty = from the first output token.
 
     Raises:
         ValueError: an unknown kind or a value of the wrong type (message names the kind).
@@ -69,6 +72,7 @@ class StructuredOutputs:
     kind: str
     value: str | tuple[str, ...] | None = None
     disable_any_whitespace: bool = False
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -82,6 +86,8 @@ class StructuredOutputs:
         if not ok:
             want = {"json_object": "no value", "choice": "a non-empty list of strings"}.get(self.kind, "a non-empty string")
             raise ValueError(f"structured output {self.kind!r} needs {want}, got {self.value!r}")
+        if not isinstance(self.start_after, tuple) or not all(isinstance(t, int) and t >= 0 for t in self.start_after):
+            raise ValueError(f"start_after must be a tuple of token ids, got {self.start_after!r}")
 
     @classmethod
     def json_schema(cls, schema: dict | str, disable_any_whitespace: bool = False) -> StructuredOutputs:
@@ -136,6 +142,8 @@ class SamplingParams:
             last token of a sequence is forbidden where the output ends with the rest (vLLM's rule).
         allowed_token_ids: only these tokens may be generated; None = any.
         bad_words_token_ids: ``bad_words`` tokenized by the engine (not set by users).
+        skip_special_tokens: leave special tokens out of the text (False: tool-call and thinking
+            parsers need their markers, which some tokenizers make special tokens).
     """
 
     max_tokens: int | None = 16
@@ -157,6 +165,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first bad field."""

@@ -22,7 +22,7 @@ MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
 # Fields whose non-default values would change the output but the engine does not implement.
-_UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": None, "echo": False}
+_UNSUPPORTED = {"functions": None, "suffix": None, "best_of": None, "echo": False}
 # Request fields the engine's INVALID_ARGUMENT messages may start with (they name the field first).
 _ENGINE_FIELDS = ("max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "stop", "logprobs", "temperature", "top_p", "top_k",
@@ -163,17 +163,21 @@ class ParsedRequest:
     # that must be made sets one too) and the request field it came from, named in errors.
     structured: StructuredOutputs | None = None
     structured_param: str | None = None
+    chat: object = None                         # chat: cluster.frontend.chat_request.ChatOptions
 
 
 MAX_CACHE_SALT_CHARS = 256
 
 
 def prompt_chars(prompt) -> int:
-    """Characters of one parsed prompt (a chat's message contents, or a text; token ids: 0)."""
+    """Characters of one parsed prompt (a chat's message contents, earlier thinking and calls' JSON,
+    or a text; token ids: 0)."""
     if isinstance(prompt, str):
         return len(prompt)
     if prompt and isinstance(prompt[0], dict):
-        return sum(len(message.get("content") or "") for message in prompt)
+        return sum(len(message.get("content") or "") + len(message.get("reasoning_content") or "") +
+                   (len(json.dumps(message["tool_calls"], ensure_ascii=False)) if message.get("tool_calls") else 0)
+                   for message in prompt)
     return 0
 
 
@@ -413,47 +417,27 @@ def _controls(body: dict, max_tokens: int | None) -> dict:
     return out
 
 
-def _content(message: dict, index: int) -> str:
-    content = message.get("content")
-    if content is None:
-        if message["role"] != "assistant":   # only an assistant turn (e.g. with tool calls) may omit it
-            raise bad_request(f"messages[{index}].content is required for role {message['role']!r}", "messages")
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text is supported
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
-
-
 def parse_chat(body: dict) -> ParsedRequest:
-    """Validate a ``/v1/chat/completions`` body.
+    """Validate a ``/v1/chat/completions`` body (messages, tools and the template arguments: see
+    :mod:`cluster.frontend.chat_request`).
 
     Raises:
         OpenAIError: 400 naming the first bad field.
     """
+    from shardserve.cluster.frontend.chat_request import chat_messages, parse_chat_options, tool_constraint
+
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("'messages' is a required property", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    chat = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a 'role'", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        if role not in ("system", "user", "assistant"):
-            raise bad_request(f"messages[{i}].role {message['role']!r} is not supported", "messages")
-        chat.append({"role": role, "content": _content(message, i)})
+    chat = chat_messages(body.get("messages"))
+    options = parse_chat_options(body)
     parsed = _common(body, "chat")
-    parsed.prompts = [chat]
+    parsed.prompts, parsed.chat = [chat], options
+    forced = tool_constraint(options)
+    if forced is not None:
+        if parsed.structured is not None:
+            raise bad_request(f"'tool_choice' {options.tool_choice!r} constrains the output to a call; it cannot be "
+                              f"combined with '{parsed.structured_param}'", "tool_choice")
+        parsed.structured, parsed.structured_param = forced, "tools"
     if body.get("logprobs"):
         parsed.logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
     elif body.get("top_logprobs") is not None:
@@ -470,6 +454,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     """
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if body.get("tools") is not None:
+        raise bad_request("'tools' needs /v1/chat/completions (or /v1/responses)", "tools")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is a required property", "prompt")
@@ -550,6 +536,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0                          # prompt tokens from the prefix cache
+    output: object = None          # chat: a cluster.frontend.chat_output.ChoiceOutput (None: plain text)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -597,8 +584,12 @@ def response_body(kind: str, request_id: str, created: int, model: str, choices:
         reason = finish_reason(choice.finish_reason or "")
         if kind == "chat":
             lp = chat_logprobs(choice.logprobs, token_text) if want_logprobs else None
-            items.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                          "logprobs": lp, "finish_reason": reason})
+            message = {"role": "assistant", "content": choice.text}
+            if choice.output is not None:
+                choice.output.feed(choice.text)
+                choice.output.finish()
+                message, reason = choice.output.message(), choice.output.finish_reason(reason)
+            items.append({"index": choice.index, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             lp = completion_logprobs(choice.logprobs, token_text) if want_logprobs else None
             items.append({"index": choice.index, "text": choice.text, "logprobs": lp, "finish_reason": reason})
@@ -610,13 +601,16 @@ def response_body(kind: str, request_id: str, created: int, model: str, choices:
 
 def chunk_body(kind: str, request_id: str, created: int, model: str, index: int, *, text: str | None = None,
                role: bool = False, logprobs: dict | None = None, finish: str | None = None,
-               include_usage: bool = False) -> dict:
-    """One streamed chunk with a single choice (``usage: null`` when usage is reported at the end)."""
+               include_usage: bool = False, fields: dict | None = None) -> dict:
+    """One streamed chunk with a single choice (``usage: null`` when usage is reported at the end);
+    chat ``fields`` replace ``text`` (a parsed delta: content, reasoning, tool calls)."""
     if kind == "chat":
         delta = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if fields is not None:
+            delta.update(fields)
+        elif text is not None:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"

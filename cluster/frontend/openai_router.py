@@ -7,7 +7,10 @@ uses (``cluster.tokenizer``: the chat template is rendered once, never a second 
 the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. The first response
 of every call is awaited before answering, so the engine's own rejections (context length, bad
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
-engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are, or,
+for chats with tools or a reasoning parser, as the parsed deltas of
+:mod:`cluster.frontend.chat_output` (the non-streamed message is the same chain fed the whole
+text). ``/v1/responses`` is a chat underneath (:mod:`cluster.frontend.responses_route`).
 
 Limits come first (:mod:`cluster.frontend.limits`): the caller's request rate (429 with
 ``Retry-After``), prompts x ``n`` and prompt characters (400), then tokenization on the tokenizer
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from shardserve.cluster.frontend.chat_output import ChoiceDelta, ChoiceOutput, ParserConfig, delta_body
 from shardserve.cluster.frontend.limits import LimitExceeded, RateLimiter, retry_after_header, run_tokenizer
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
@@ -46,6 +50,7 @@ from shardserve.cluster.frontend.openai_protocol import (
     engine_rejected, finish_reason, limit_error, load_body, parse_chat, parse_completion, prompt_chars,
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.responses_api import parse_responses
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
 from shardserve.cluster.frontend.structured import structured_to_proto
 from shardserve.proto import inference_pb2 as pb
@@ -112,13 +117,16 @@ class RouterCore:
             dialling a replica) and the request timeout. Replicas are called with the internal
             token each reports in its status.
         route_wait_s: how long a request waits for a replica that is being replaced.
+        parsers: tool-call and reasoning parsers of chat answers (``--tool-call-parser``,
+            ``--enable-auto-tool-choice``, ``--reasoning-parser``).
     """
 
     def __init__(self, model: str, served_names: list[str], fetchers: list[StatusFetcher],
                  load_tokenizer: Callable[[], object], poll_s: float = 2.0, front: FrontConfig | None = None,
-                 route_wait_s: float = 30.0) -> None:
+                 route_wait_s: float = 30.0, parsers: ParserConfig | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
+        self.parsers = parsers or ParserConfig()
         tls = self.front.grpc_tls()
         self.pool = ReplicaPool(len(fetchers), functools.partial(_connect, root_certificates=tls and tls[0]), _close)
         self.limits = self.front.limits
@@ -267,27 +275,40 @@ class RouterCore:
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, kind: str, raw_body: bytes, caller: Caller = _NOBODY) -> Response:
-        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``) of
-        ``caller`` (the guard's :class:`Caller`)."""
+        """``POST /v1/chat/completions`` (kind ``chat``), ``/v1/completions`` (``completion``) or
+        ``/v1/responses`` (``responses``: a chat underneath, see :mod:`cluster.frontend.responses_api`)
+        of ``caller`` (the guard's :class:`Caller`)."""
         started = time.monotonic()
-        endpoint = "chat" if kind == "chat" else "completions"
+        endpoint = {"chat": "chat", "completion": "completions"}.get(kind, kind)
         timeout = self.front.request_timeout
-        charged = 0
+        charged, echo = 0, None
         try:
             try:
                 self._admit_rate(caller)
                 body = load_body(raw_body)
-                parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+                if kind == "responses":
+                    parsed, echo = parse_responses(body)
+                else:
+                    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
                 if parsed.model is not None and parsed.model not in self.served_names:
                     raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
                                       f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
-                self._check_limits(kind, parsed)
+                if parsed.kind == "chat":
+                    self.parsers.check(parsed.chat)
+                self._check_limits(parsed.kind, parsed)
                 self._ready_or_503()
-                prompt_ids = await self._prompt_ids(kind, parsed)
+                prompt_ids, texts = await self._prompt_ids(parsed.kind, parsed)
                 charged = self._charge_tokens(caller, parsed, prompt_ids)
             except LimitExceeded as exc:
                 raise limit_error(exc) from None
-            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller)
+            outputs = [self.parsers.output(parsed.chat, text) if parsed.kind == "chat" else None
+                       for text in texts for _ in range(parsed.n)]
+            if parsed.structured is not None and outputs and outputs[0] is not None:   # thinking comes first
+                parsed.structured = outputs[0].constraint(parsed.structured, self.tokenizer)
+            if echo is not None:   # a response always has items, parsed or not
+                outputs = [output or ChoiceOutput(None, None) for output in outputs]
+            run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller,
+                                    outputs)
         except OpenAIError as err:
             self._settle(caller, charged, 0)
             self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected", caller.key_id)
@@ -298,6 +319,10 @@ class RouterCore:
             self.metrics.count(endpoint, 499, "cancelled", caller.key_id)
             raise
         run.endpoint, run.charged_tokens = endpoint, charged
+        if echo is not None:
+            from shardserve.cluster.frontend.responses_route import respond
+
+            return await respond(self, run, echo)
         if parsed.stream:
             run.status = 200
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
@@ -343,36 +368,45 @@ class RouterCore:
         self.limits.check_prompt_chars(sum(prompt_chars(prompt) for prompt in parsed.prompts),
                                        "messages" if kind == "chat" else "prompt")
 
-    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> list[list[int]]:
-        """Every prompt's token ids: text tokenized on the tokenizer threads, ids checked against
-        the vocabulary (before any replica is leased).
+    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> tuple[list[list[int]], list[str | None]]:
+        """Every prompt's token ids and, for a chat, its rendered text (the reasoning parser reads
+        its end): text tokenized on the tokenizer threads, ids checked against the vocabulary
+        (before any replica is leased).
 
         Raises:
             OpenAIError: 400 for a bad prompt.
         """
         param = "messages" if kind == "chat" else "prompt"
-        prompt_ids = [await run_tokenizer(self._encode, kind, prompt) for prompt in parsed.prompts]
+        encoded = [await run_tokenizer(self._encode, kind, prompt, parsed.chat) for prompt in parsed.prompts]
+        prompt_ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
         vocab = self.pool.any_info().get("vocab_size") or _MAX_TOKEN_ID + 1
         for ids in prompt_ids:
             if any(not 0 <= t < vocab for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
-        return prompt_ids
+        return prompt_ids, texts
 
-    def _encode(self, kind: str, prompt) -> list[int]:
-        from shardserve.cluster.tokenizer import encode_chat, encode_prompt
+    def _encode(self, kind: str, prompt, options=None) -> tuple[list[int], str | None]:
+        """``(token ids, rendered chat text or None)`` of one prompt (``options``: the chat's tools
+        and template arguments)."""
+        from shardserve.cluster.tokenizer import encode_prompt, encode_rendered, render_chat
 
         try:
             if kind == "chat":
-                return encode_chat(self.tokenizer, prompt)
-            return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+                text = render_chat(self.tokenizer, prompt, tools=options and options.tools,
+                                   template_kwargs=options and options.template_kwargs)
+                return encode_rendered(self.tokenizer, text), text
+            return (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)), None
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from exc
 
     def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int,
-                      caller: Caller) -> pb.GenerateRequest:
-        """Choice ``index``'s call: its own seed, the caller's tenant and salt, the request as its group."""
+                      caller: Caller, output=None) -> pb.GenerateRequest:
+        """Choice ``index``'s call: its own seed, the caller's tenant and salt, the request as its
+        group; special tokens kept when ``output`` (its parser chain) looks for markers."""
         try:
             sampling = pb.SamplingParams(**parsed.sampling)
+            if output is not None and output.needs_special_tokens:
+                sampling.skip_special_tokens = False   # the parsers' markers may be special tokens
             if parsed.seed is not None:
                 sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
             if parsed.logprobs is not None:
@@ -386,7 +420,7 @@ class RouterCore:
             raise bad_request(f"invalid request: {exc}") from exc
 
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
-                     deadline: float | None, caller: Caller = _NOBODY) -> _Run:
+                     deadline: float | None, caller: Caller = _NOBODY, outputs: list | None = None) -> _Run:
         """Open every choice's call on the least-loaded replica and read its first response; a
         replica whose queue is full is skipped for the next one.
 
@@ -425,11 +459,12 @@ class RouterCore:
                 lease.release()
                 raise timed_out(self._timeout_message())
             stub = lease.stub   # the lease keeps the channel open even if the replica moves
+            outputs = outputs or [None] * (len(prompt_ids) * n)
             calls: list = []
             try:   # NOTE: every call is built in here: whatever fails, the lease is paid back
                 for p, ids in enumerate(prompt_ids):
                     for j in range(n):
-                        request = self._grpc_request(parsed, request_id, ids, p * n + j, caller)
+                        request = self._grpc_request(parsed, request_id, ids, p * n + j, caller, outputs[p * n + j])
                         calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
             except BaseException:  # a bad value, or cancelled: the client left before the first token
@@ -460,7 +495,7 @@ class RouterCore:
         self.metrics.routed.labels(str(lease.replica.index)).inc()
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
-                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started, caller=caller)
+                   [Choice(i, output=outputs[i]) for i in range(len(calls))], [None] * len(calls), started, caller=caller)
         for index, first in enumerate(firsts):
             if first is not grpc.aio.EOF:
                 self._absorb(run, index, first)
@@ -533,7 +568,9 @@ class RouterCore:
             if on_response is not None:
                 await on_response(index, resp)
 
-    async def _complete(self, run: _Run) -> Response:
+    async def _read_run(self, run: _Run) -> JSONResponse | None:
+        """Read every choice of a non-streamed run to its end and settle it; the error answer when
+        a replica failed (None: all finished)."""
         try:
             await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
             run.status, run.outcome = 200, "finished"
@@ -542,6 +579,12 @@ class RouterCore:
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             self._finish(run)
+        return None
+
+    async def _complete(self, run: _Run) -> Response:
+        error = await self._read_run(run)
+        if error is not None:
+            return error
         body = response_body(run.parsed.kind, run.request_id, run.created, run.model, run.choices, self.token_text,
                              run.parsed.logprobs is not None, run.parsed.n)
         return JSONResponse(body)
@@ -550,7 +593,16 @@ class RouterCore:
         """The SSE event for one response of choice ``index`` whose text starts at character
         ``offset`` of the choice (None when the response carries nothing)."""
         reason = finish_reason(resp.finish_reason)
-        if not resp.text and not resp.logprobs and reason is None:
+        output, fields = run.choices[index].output, None
+        if output is not None:   # parsed chat: reasoning, content and tool-call deltas
+            delta = output.feed(resp.text) if resp.text else ChoiceDelta()
+            if reason is not None:
+                delta.extend(output.finish())
+                reason = output.finish_reason(reason)
+            fields = delta_body(delta)
+            if not fields and not resp.logprobs and reason is None:
+                return None
+        elif not resp.text and not resp.logprobs and reason is None:
             return None
         logprobs = None
         if run.parsed.logprobs is not None and resp.logprobs:
@@ -559,7 +611,7 @@ class RouterCore:
             else:
                 logprobs = completion_logprobs(resp.logprobs, self.token_text, offset)
         body = chunk_body(run.parsed.kind, run.request_id, run.created, run.model, index, text=resp.text or None,
-                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage)
+                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage, fields=fields)
         return _sse_data(body)
 
     def _drop_slow_client(self, run: _Run) -> None:

@@ -19,6 +19,7 @@ here as they do there (e.g. ``strict_mode``: ``additionalProperties`` defaults t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -46,19 +47,21 @@ def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
         if kind is None or (kind == "json_object" and not msg.json_object):
             raise ValueError("set one of json, json_object (true), regex, choice or grammar")
         if kind == "json":
-            return StructuredOutputs.json_schema(msg.json, compact)
-        if kind == "json_object":
-            return StructuredOutputs.json_object(compact)
-        if kind == "choice":
-            return StructuredOutputs.choice(list(msg.choice.choices))
-        return StructuredOutputs(kind, getattr(msg, kind))
+            spec = StructuredOutputs.json_schema(msg.json, compact)
+        elif kind == "json_object":
+            spec = StructuredOutputs.json_object(compact)
+        elif kind == "choice":
+            spec = StructuredOutputs.choice(list(msg.choice.choices))
+        else:
+            spec = StructuredOutputs(kind, getattr(msg, kind))
+        return dataclasses.replace(spec, start_after=tuple(msg.start_after)) if msg.start_after else spec
     except ValueError as exc:
         raise ValueError(f"structured_outputs: {exc}") from None
 
 
 def structured_to_proto(spec: StructuredOutputs) -> pb.StructuredOutputs:
     """:class:`StructuredOutputs` -> proto (the router's and clients' side)."""
-    msg = pb.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace)
+    msg = pb.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace, start_after=spec.start_after)
     if spec.kind == "json_object":
         msg.json_object = True
     elif spec.kind == "choice":

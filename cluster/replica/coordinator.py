@@ -426,12 +426,21 @@ class Coordinator:
             ValueError: a malformed prompt.
             QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
         """
+        return await self.on_tokenizer(self.encode, text, chat)
+
+    async def on_tokenizer(self, fn, *args):
+        """``fn(*args)`` (a tokenizing job: rendering a chat, encoding) on the tokenizer threads,
+        counted against the same queue as :meth:`encode_async`.
+
+        Raises:
+            QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
+        """
         if self._pending_tokenize >= self.front.max_queued_requests + TOKENIZER_THREADS:
             raise QueueFull(f"{self._pending_tokenize} prompts are being tokenized on this replica "
                             f"(--max-queued-requests {self.front.max_queued_requests}); retry later")
         self._pending_tokenize += 1
         try:
-            return await run_tokenizer(self.encode, text, chat)
+            return await run_tokenizer(fn, *args)
         finally:
             self._pending_tokenize -= 1
 
@@ -592,6 +601,10 @@ class Coordinator:
 
     def worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.group.rank_info]
+
+    def memory_plans(self) -> list[str]:
+        """Each rank's start-up memory plan (``workers/plan.py``; ``shardserve plan`` prints the same)."""
+        return [info["memory"]["plan"] for info in self.group.rank_info]
 
     async def start_grpc(self, port: int = 50051, host: str = "127.0.0.1") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this

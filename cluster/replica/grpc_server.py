@@ -29,6 +29,7 @@ from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
 from shardserve.cluster.frontend.structured import structured_from_proto
+from shardserve.cluster.replica.grpc_chat import chat_chars, chat_prompt, parsed_response
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -43,7 +44,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
     for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "min_tokens"):
+                  "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
     if msg.HasField("structured_outputs"):
@@ -55,10 +56,6 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
-
-
-def _chat(msg: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
 def _response(out) -> pb.GenerateResponse:
@@ -162,16 +159,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Who calls (the interceptor already refused unknown keys)."""
         return self.front.identify(_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
 
-    async def _prompt_ids(self, request) -> list[int]:
+    async def _prompt(self, request, params: SamplingParams) -> tuple[list[int], object]:
+        """Prompt ids, and the output chain when the request asks for parsing (else None); chats
+        are checked, rendered and tokenized on the tokenizer threads."""
         kind = request.WhichOneof("prompt")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
+        parsing = request.parsing if request.HasField("parsing") else None
         if kind == "chat":
-            chat = _chat(request.chat)
-            self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-            return await self.coordinator.encode_async(chat=chat)
+            self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+            return await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                       parsing, params)
+        if parsing is not None:
+            raise ValueError("parsing: needs a chat prompt (its template and tools tell how to read the answer)")
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
         self.limits.check_prompt_chars(len(request.text), "text")
-        return await self.coordinator.encode_async(text=request.text)
+        return await self.coordinator.encode_async(text=request.text), None
 
     async def Generate(self, request, context):
         from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
@@ -180,8 +182,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
-            prompt_ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            prompt_ids, output = await self._prompt(request, params)
             if not caller.privileged:
                 charged = self.rates.charge_tokens(caller.key_id, len(prompt_ids) + (params.max_tokens or 0))
             tenant = request.tenant if caller.privileged else caller.tenant
@@ -191,7 +193,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                cache_seed=cache_seed(tenant, request.cache_salt), group=group)
             async for out in stream:
                 used = out.num_prompt_tokens + out.num_output_tokens
-                yield _response(out)
+                yield _response(out) if output is None else parsed_response(_response(out), output)
         except LimitExceeded as exc:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status in (413, 429) else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(exc))
@@ -217,9 +219,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
             if request.WhichOneof("prompt") == "chat":
-                chat = _chat(request.chat)
-                self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-                ids = await self.coordinator.encode_async(chat=chat)
+                self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+                ids, _ = await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                             None, None)
             else:
                 self.limits.check_prompt_chars(len(request.text), "text")
                 ids = await self.coordinator.encode_async(text=request.text)

@@ -68,6 +68,8 @@ class WorkerGroup:
                  max_batched_tokens: int, max_num_seqs: int,
                  placement: tuple[PlacementGroup, int] | None = None) -> None:
         self.config = config
+        if 0 < config.gpus_per_worker < 1:   # ranks sharing a GPU: each plans for its share
+            runner_config = dataclasses.replace(runner_config, gpu_fraction=config.gpus_per_worker)
         self.files, self.hf_config, self.runner_config = files, hf_config, runner_config
         self._max_sizes = (max_batched_tokens, max_num_seqs)
         tp = config.tensor_parallel_size
@@ -102,8 +104,8 @@ class WorkerGroup:
             info["cache_bytes"] = nbytes
             mem = info["memory"]
             logger.info("TP rank %d (pid %d, %s, %s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in "
-                        "%d blocks", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
-                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks)
+                        "%d blocks; plan: %s", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
+                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks, mem["plan"])
         self.rank_info = infos
         if config.dispatch == "compiled":
             self._compile()

@@ -20,7 +20,8 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
 ]
 NUM_TOKENS = 24
-PACKED_TP_BOUND = 1.0   # bfloat16 rounding of activations and partial sums: 0.80 measured at |logit| ~25 (6 ulps)
+PACKED_TP_BOUND = 2.0   # bfloat16 rounding of activations and partial sums at |logit| ~25 (ulp 0.125): 0.80
+                        # measured on an AVX-512 machine, 1.29 on one with AMX (its bf16 GEMMs round otherwise)
 
 
 @pytest.fixture(scope="module")

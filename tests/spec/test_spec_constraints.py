@@ -154,3 +154,26 @@ def test_cli_generate_with_a_constraint(mtp_checkpoint, capsys, tmp_path):
         assert err.startswith("shardserve: error: ") and fragment in err, err
     with pytest.raises(SystemExit):   # one constraint at most
         main(argv + ["--regex", "a", "--choice", "b"])
+
+
+def test_a_constraint_that_starts_after_a_marker_with_speculation(mtp_checkpoint):
+    """``start_after`` (the end of thinking): the output runs free up to the marker, equal to
+    unconstrained decoding, then follows the grammar; one- and two-token markers, the marker
+    inside a step's drafts (k=3) or not (k=0) give the same tokens."""
+    path = mtp_checkpoint("deepseek_v32").path
+    ps = prompts((5, 9), seed=11)
+    plain = make_llm(path, 0)
+    free = [d.token_ids for d in plain.generate(ps, [greedy(6), greedy(6)])]
+    markers = [(free[0][2],), (free[1][1], free[1][2])]
+    params = [greedy(10, structured_outputs=StructuredOutputs(kind="regex", value=REGEX, start_after=m))
+              for m in markers]
+    runs = []
+    for llm in (plain, make_llm(path, 3)):
+        runs.append([d.token_ids for d in llm.generate(ps, params)])
+        assert_released(llm)
+    assert runs[0] == runs[1]
+    for out, ref, marker in zip(runs[0], free, markers):
+        n = len(marker)
+        end = next(i for i in range(n - 1, len(ref)) if tuple(ref[i + 1 - n:i + 1]) == marker)
+        assert out[:end + 1] == ref[:end + 1]
+        assert re.fullmatch(f"({REGEX})|{PREFIX}", text_of(out[end + 1:])), out

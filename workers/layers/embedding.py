@@ -48,6 +48,10 @@ class VocabParallelEmbedding(nn.Module):
     def dense_slot(self, shard_id: int) -> torch.Tensor:
         return self.weight.data
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of the checkpoint tensor (the whole vocabulary)."""
+        return self.vocab_size, self.hidden_size
+
     def set_packed(self, packed) -> None:
         """Use ``packed`` instead of ``weight``; a head tied to this weight picks it up too."""
         if self.weight is not None:

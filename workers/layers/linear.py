@@ -112,6 +112,10 @@ class ColumnParallelLinear(PackableLinear):
         """The rows of ``weight`` that packed matrix ``shard_id`` fills."""
         return self.weight.data[self.offsets[shard_id]:self.offsets[shard_id + 1]]
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of packed matrix ``shard_id``'s checkpoint tensor."""
+        return self.shards[shard_id][0], self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x, self.bias)
 
@@ -156,6 +160,14 @@ class RowParallelLinear(PackableLinear):
 
     def dense_slot(self, shard_id: int) -> torch.Tensor:
         return self.weight.data
+
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of the checkpoint tensor."""
+        return self.out_features, self.in_features
+
+    def keeps_groups(self, group_size: int) -> bool:
+        """Whether this rank's input columns are whole groups of ``group_size`` (int4 packing)."""
+        return self.local_start % group_size == 0 and self.local_size % group_size == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()

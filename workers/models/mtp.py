@@ -107,7 +107,8 @@ class DeepseekMTPModel(nn.Module):
 
     Args:
         config: the HF config of the whole checkpoint (``num_nextn_predict_layers >= 1``).
-        ckpt_names: tensor names in the checkpoint (decides indexer, MoE and head fallbacks).
+        ckpt_names: the checkpoint's tensor names, any container answering ``name in ckpt_names``
+            (decides indexer, MoE and head fallbacks).
         dtype: parameter and cache dtype.
 
     Raises:
@@ -116,7 +117,7 @@ class DeepseekMTPModel(nn.Module):
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, ckpt_names: set[str], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, ckpt_names, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if num_mtp_layers(config) < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers is 0 or unset); "
@@ -153,7 +154,7 @@ class DeepseekMTPModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp.shared_head(hidden)
 
-    def checkpoint_name(self, param_name: str, names: set[str]) -> str:
+    def checkpoint_name(self, param_name: str, names) -> str:
         """Checkpoint tensor for parameter ``mtp.<sub>`` (before unpacking ``gate_up_proj``), with
         the main model's embedding / LM head as fallbacks."""
         sub = param_name.removeprefix("mtp.")
@@ -165,11 +166,22 @@ class DeepseekMTPModel(nn.Module):
         return name
 
 
+def build_mtp_meta_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> DeepseekMTPModel:
+    """The draft model on the ``meta`` device (nothing allocated): what :func:`build_mtp_model`
+    materializes, and what ``workers/plan.py`` counts.
+
+    Raises:
+        ValueError: no MTP layer in the checkpoint.
+    """
+    with torch.device("meta"):
+        return DeepseekMTPModel(config, ckpt, dtype)   # the checkpoint answers `name in ckpt`
+
+
 @torch.no_grad()
 def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> tuple[DeepseekMTPModel, int]:
-    """Build the draft model on ``device`` and load its weights (FP8 block-scaled tensors are
-    dequantized: the draft is one layer).
+    """Build the draft model on the meta device, allocate it on ``device`` and load its weights
+    (FP8 block-scaled tensors are dequantized: the draft is one layer).
 
     Returns:
         ``(model in eval mode, weight bytes)``.
@@ -179,18 +191,17 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
         CheckpointError: a tensor is missing or has the wrong shape.
     """
     from shardserve.workers.fp8 import dequantizing_checkpoint
-    from shardserve.workers.weight_loader import checkpoint_sources, default_weight_loader
+    from shardserve.workers.weight_loader import checkpoint_sources, default_weight_loader, materialize
 
     ckpt = dequantizing_checkpoint(ckpt, config)
-    names = set(ckpt.names())
-    with torch.device(device):
-        model = DeepseekMTPModel(config, names, dtype)
+    model = build_mtp_meta_model(config, ckpt, dtype)
+    materialize(model, device)
     total = 0
     for name, param in model.named_parameters():
         loader = getattr(param, "weight_loader", default_weight_loader)
-        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, names), ckpt, param):
-            if ckpt_name not in names:
+        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, ckpt), ckpt, param):
+            if ckpt_name not in ckpt:
                 raise CheckpointError(f"{ckpt.path}: missing MTP tensor {ckpt_name!r}")
             loader(param, ckpt.get(ckpt_name), shard_id)
         total += param.numel() * param.element_size()
-    return model.to(device).eval(), total   # .to: the RoPE tables are made on the CPU
+    return model.eval(), total
