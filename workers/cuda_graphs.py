@@ -121,8 +121,9 @@ class DecodeGraphs:
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The fixed input buffers and the captured outputs."""
+        states = [("state_starts", self._state_starts)] if self.scratch_state_slot is not None else []
         return ([("incoming", self._incoming), ("tables", self._tables), ("query_start", self._query_start)]
-                + [(f"output.{size}", out) for size, out in self._outputs.items()])
+                + states + [(f"output.{size}", out) for size, out in self._outputs.items()])
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of ``num_seqs`` decodes runs at (None: too large, run eagerly)."""

@@ -221,7 +221,8 @@ def _indexer_bytes(layers, block_size: int) -> int:
                for shape, dtype in [layer.indexer.cache_spec(1, block_size)])
 
 
-def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dtype_bytes: int) -> int:
+def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dtype_bytes: int,
+                 hybrid: bool = False) -> int:
     """Decode graphs: their fixed input buffers and outputs (``workers/cuda_graphs.py``), and on
     CUDA the shared pool, which holds the largest captured decode step's temporaries."""
     if backend is None:
@@ -230,7 +231,11 @@ def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dt
 
     sizes = capture_sizes(config.max_num_seqs)
     largest, width = sizes[-1], -(-config.max_model_len // config.block_size)
-    buffers = (4 * largest + 2 * largest * width + largest + 1) * 8      # ids, positions, slots, lengths, tables
+    # ids, positions, slots, lengths (+ state slots), shared-placeholder rows, tables, query starts
+    regions = 4 + hybrid
+    buffers = ((regions + 1) * largest + 2 * largest * width + largest + 1) * 8
+    if hybrid:
+        buffers += (largest + 1) * 4                                     # int32 state starts
     if backend != "cuda":
         return buffers
     outputs = sum(sizes) * hidden * dtype_bytes                          # each graph's output, kept in the pool
@@ -276,7 +281,8 @@ def plan_rank(model, config: PlanConfig, rank: int, draft=None) -> RankPlan:
         # one slot per sequence + 1 spare, + the decode graphs' scratch slot (padded rows)
         state_bytes=cache_bytes(state_layers, config.max_num_seqs + 1 + (backend is not None), 1) if state_layers else 0,
         activation_bytes=activation,
-        graph_bytes=_graph_bytes(model, config, backend, model.config.hidden_size, dtype_bytes(model)),
+        graph_bytes=_graph_bytes(model, config, backend, model.config.hidden_size, dtype_bytes(model),
+                                 bool(state_layers)),
         overhead_bytes=config.estimated_overhead(), block_size=bs, max_model_len=config.max_model_len,
         scratch_blocks=1 if backend is not None else 0)
     return plan.solve(config)
