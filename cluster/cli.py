@@ -17,7 +17,7 @@ import re
 import sys
 
 from shardserve.cluster import cli_agents, generate_controls
-from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
+from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
 from shardserve.cluster.frontend.security import refuse_exposed
@@ -64,8 +64,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep the first N positions of each sequence in every DSA top-k (attention sink; "
                              "0 = plain top-k)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
-                        help="MTP speculative decoding: draft tokens per sequence and step from the checkpoint's "
-                             "MTP layer (0 = off)")
+                        help="MTP speculative decoding: the most draft tokens per sequence and step from the "
+                             "checkpoint's MTP layer (0 = off)")
+    parser.add_argument("--speculative-policy", choices=list(SPECULATIVE_POLICIES), default="adaptive",
+                        help="adaptive: draft only when, and as deep as, it pays (measured step costs and "
+                             "per-request acceptance); fixed: always --speculative-tokens")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -125,7 +128,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
-                      speculative_tokens=ns.speculative_tokens,
+                      speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager, quantization=ns.quantization,
                       recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
@@ -271,7 +274,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     check_model(args.model)
     refuse_exposed(ns.host, front.requires_key, ns.allow_unauthenticated, "--host")
     stop = _interrupt_event()
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     if not ns.address:
         group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     check_port_free(ns.host, ns.grpc_port, "--grpc-port")
@@ -321,7 +324,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
+        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
+        device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
         recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys),
         **cli_agents.parser_settings(ns))
@@ -607,7 +611,7 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
 
     group = _group_config(ns)
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(None, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
     handle = pg = None

@@ -9,6 +9,7 @@ from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")   # cluster/engine/spec_policy.py
 logger = logging.getLogger(__name__)
 
 
@@ -33,7 +34,11 @@ class EngineArgs:
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims; queries quantized alike).
         dsa_sink: the first N positions of each sequence are always in its queries' DSA top-k
             (attention sink; 0 = plain top-k, equal to transformers).
-        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off): the
+            most the policy drafts.
+        speculative_policy: ``adaptive`` (draft only when, and as deep as, it pays: measured step
+            costs and per-request acceptance, ``cluster/engine/spec_policy.py``) or ``fixed``
+            (always ``speculative_tokens``).
         device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
             ``cuda`` or ``cpu`` (``workers/device.py``).
         dtype: weights and activations: ``auto`` (bfloat16 on CUDA; on CPU bfloat16 with packed
@@ -65,6 +70,7 @@ class EngineArgs:
     indexer_cache_dtype: str = "auto"
     dsa_sink: int = 0
     speculative_tokens: int = 0
+    speculative_policy: str = "adaptive"
     device: str = "auto"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -95,6 +101,9 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"--speculative-policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                             f"got {self.speculative_policy!r}")
         if not self.recovery_timeout >= 0:
             raise ValueError(f"--recovery-timeout must be >= 0 seconds (0 = off), got {self.recovery_timeout}")
         if self.device not in DEVICES:
@@ -120,6 +129,13 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             seed=self.seed, quantization=self.quantization)
+
+    def draft_buffer_sizes(self):
+        """What the buffers rank 0 shares with the MTP draft worker must hold
+        (:class:`workers.draft_buffers.BufferSizes`)."""
+        from shardserve.workers.draft_buffers import BufferSizes
+
+        return BufferSizes(self.max_num_batched_tokens, self.max_num_seqs, self.speculative_tokens)
 
     def check_model_limits(self, hf_config) -> None:
         """Refuse settings the model itself cannot serve (checked once its config is read, before

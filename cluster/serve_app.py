@@ -90,7 +90,7 @@ class ServeArgs:
             (size it for the longest completion you serve); Serve's ``graceful_shutdown_timeout_s``.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            dsa_sink, speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager,
+            dsa_sink, speculative_tokens, speculative_policy, device, dtype, gpu_memory_utilization, enforce_eager,
             recovery_timeout, quantization: engine settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
@@ -139,6 +139,7 @@ class ServeArgs:
     indexer_cache_dtype: str = "auto"
     dsa_sink: int = 0
     speculative_tokens: int = 0
+    speculative_policy: str = "adaptive"
     device: str = "auto"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -214,7 +215,8 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens, device=self.device,
+                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens,
+                          speculative_policy=self.speculative_policy, device=self.device,
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                           enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
                           quantization=self.quantization)
@@ -253,12 +255,11 @@ class ServeArgs:
                            collective=self.cpu_collective, dispatch=self.dispatch, device=self.device)
 
     def replica_bundles(self) -> list[dict]:
-        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank,
-        then one for the MTP draft worker when speculation is on."""
+        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank
+        (the MTP draft worker, when speculation is on, shares rank 0's)."""
         gpus = self.worker_gpus()
         worker = {"CPU": self.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        num_workers = self.tensor_parallel_size + (1 if self.speculative_tokens else 0)
-        return [{"CPU": 1.0}] + [dict(worker) for _ in range(num_workers)]
+        return [{"CPU": 1.0}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
 
     def served_names(self) -> list[str]:
         """Names a request's ``model`` may use; the first is reported."""

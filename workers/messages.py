@@ -69,7 +69,8 @@ class ScheduledRequest:
     sample: bool                    # True when this step reaches the last known token
     output_index: int               # index of the token to sample among the outputs (seeded RNG stream)
     num_spec_tokens: int = 0        # the last num_spec_tokens of token_ids are draft tokens to verify
-    draft_probs: object = None      # [num_spec_tokens, vocab] float32 draft distribution q (None: greedy)
+    draft_probs_row: int = -1       # row of the draft worker's q buffer holding their draft distributions
+                                    # [K_max, vocab] (workers/draft_buffers.py); -1: greedy, no q
     token_bitmask: object = None    # structured outputs: [num_spec_tokens + 1, ceil(vocab / 32)] int32 tokens
                                     # allowed at each sampled row (cluster/engine/grammar.py); None: all
 
@@ -103,7 +104,8 @@ class StepResult:
     # then the bonus/corrected token, consecutive and in order (1 to num_spec_tokens + 1 entries).
     sampled: list[SampledToken] = field(default_factory=list)
     logits: object = None           # [num_logit_rows, vocab] float32 torch tensor when the plan asked
-    hidden_states: object = None    # [num_tokens, hidden] float32, plan order, when plan.return_hidden
+    hidden_states: object = None    # [num_tokens, hidden] in plan order when plan.return_hidden and no
+                                    # draft buffers are attached (else rank 0 wrote them there)
     execute_s: float = 0.0          # rank 0's wall time inside execute (s)
     collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s
 
@@ -130,7 +132,8 @@ class DraftBatch:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[DraftRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)   # forget these first
-    hidden_states: object = None    # [sum(len(token_ids)), hidden] float32 target h_t of each entry
+    hidden_rows: list[int] = field(default_factory=list)        # [sum(len(token_ids))] row of each entry's h_t
+    hidden_states: object = None    # [rows, hidden] tensor the rows index; None: the shared hidden buffer
 
 
 @dataclass(slots=True)
@@ -139,7 +142,7 @@ class DraftProposal:
 
     req_id: str
     token_ids: list[int]            # 1..num_drafts proposed tokens
-    probs: object = None            # [len(token_ids), vocab] float32 draft distribution q (None: greedy)
+    probs_row: int = -1             # row of the q buffer holding their distributions (-1: greedy)
 
 
 @dataclass(slots=True)
@@ -147,3 +150,4 @@ class DraftResult:
     """The draft worker's answer to a :class:`DraftBatch` (requests with ``num_drafts > 0`` only)."""
 
     proposals: list[DraftProposal] = field(default_factory=list)
+    seconds: float = 0.0            # the draft worker's time inside propose (s)

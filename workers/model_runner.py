@@ -30,7 +30,8 @@ from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPlan, cache_bytes, check_plan,
                                      decode_graph_backend, plan_rank)
 from shardserve.workers.quantization import WeightFormat, weight_format_for
-from shardserve.workers.sampler import sample_on_device, sample_with_drafts, sampled_tokens
+from shardserve.workers.rejection_sampler import sample_with_drafts
+from shardserve.workers.sampler import sample_on_device, sampled_tokens
 from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
@@ -176,6 +177,7 @@ class ModelRunner:
         self.num_blocks, self.cache_bytes = 0, 0
         self.graphs = None
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
+        self.draft_buffers = None   # rank 0 with MTP: the draft worker's shared buffers (workers/draft_buffers.py)
         self.state_layers = getattr(self.model, "state_layers", list)()
         self.num_state_slots = config.max_num_seqs + 1 if self.state_layers else 0
         self.state_cache: StateCache | None = None
@@ -259,8 +261,10 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """KV cache bytes one block takes on this rank, over all layers."""
-        return cache_bytes(self.model.attention_layers(), 1, self.block_size)
+        """KV cache bytes one block takes on this rank, over all layers (and the MTP draft's caches,
+        which share rank 0's device)."""
+        draft = self.plan.draft_bytes_per_token * self.block_size if self.config.draft_on_device else 0
+        return cache_bytes(self.model.attention_layers(), 1, self.block_size) + draft
 
     @property
     def state_bytes(self) -> int:
@@ -373,6 +377,11 @@ class ModelRunner:
             wrong.append(f"generator: {self.generator.device}")
         return wrong
 
+    def attach_draft_buffers(self, buffers) -> None:
+        """Rank 0 with MTP speculation: write hidden states into, and read draft distributions from,
+        the draft worker's :class:`workers.draft_buffers.DraftBuffers` (no host copy per step)."""
+        self.draft_buffers = buffers
+
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
@@ -470,11 +479,22 @@ class ModelRunner:
         logits = self.compute_logits(plan)
         if get_tp_group().tp_rank != 0:
             return None
+        hidden = self.last_hidden_states
+        if hidden is not None and self.draft_buffers is not None:
+            # the draft reads them there; queued before the sampler's read-back, so done when this returns
+            assert hidden.shape[0] <= self.draft_buffers.hidden.shape[0], \
+                f"{hidden.shape[0]} tokens in a step, the draft's hidden buffer holds {self.draft_buffers.hidden.shape[0]}"
+            self.draft_buffers.hidden[:hidden.shape[0]].copy_(hidden)
+            hidden = None
+            if self.device.type == "cuda" and not any(s.sample for s in plan.scheduled):
+                torch.cuda.current_stream(self.device).synchronize()   # no read-back follows to wait for it
         sampling = [s for s in plan.scheduled if s.sample]
         options = [self.requests[s.req_id].sampling for s in sampling]
         processed = self._process_logits(logits, sampling)
         if any(s.num_spec_tokens for s in sampling):
-            sampled = sample_with_drafts(processed, sampling, options, self.generator, logprob_logits=logits)
+            buffers = self.draft_buffers
+            sampled = sample_with_drafts(processed, sampling, options, None if buffers is None else buffers.probs,
+                                         self.generator, logprob_logits=logits)
         else:
             tokens, logprobs = sample_on_device(processed, options, [s.output_index for s in sampling],
                                                 self.generator, logprob_logits=logits)
@@ -483,6 +503,5 @@ class ModelRunner:
             self.requests[token.req_id].last_sampled = token.token_id
         if self.controls is not None:
             self.controls.record(sampled)
-        hidden = self.last_hidden_states
         return StepResult(sampled, logits.cpu() if plan.return_logits else None,
                           None if hidden is None else hidden.float().cpu())

@@ -6,23 +6,16 @@ its noise from a generator keyed by ``(seed, output_index)``, so its tokens do n
 other requests share the batch, on preemption, or on how many steps it took.
 Filter order follows transformers' logits warpers: temperature, top-k, top-p, min-p.
 
-Speculative decoding (:func:`sample_with_drafts`) verifies draft tokens with standard speculative
-rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", Algorithm 1; Chen et al. 2023): draft ``d_j ~ q_j`` is kept with probability
-``min(1, p_j(d_j) / q_j(d_j))``; the first rejected one is replaced by a sample of
-``norm(max(0, p_j - q_j))``; when all are kept a bonus token is drawn from ``p_{k+1}``. The emitted
-tokens are distributed exactly as plain sampling from ``p`` (the filtered target distribution).
-Greedy requests keep the longest prefix of drafts equal to the target's argmax. Output token
-``i`` of a seeded request uses the generator of ``(seed, i)`` for its accept test and its
-residual/bonus draw, and the draft model samples from a separate ``(seed, i)`` stream, so each
-random number decides one output token exactly once and runs are reproducible.
+Speculative decoding's draft sampling and verification (rejection sampling) live in
+``workers/rejection_sampler.py``; they draw from the same filtered distributions
+(:func:`sampling_probs`) and seeded streams (:func:`seeded_generator`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardserve.workers.messages import SampledToken, SamplingOptions, ScheduledRequest
+from shardserve.workers.messages import SampledToken, SamplingOptions
 
 _GREEDY_EPS = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant; spreads (seed, index) over the 63-bit seed space
@@ -91,12 +84,6 @@ def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
         ``[N, V]`` float32 probabilities (zero outside each row's kept set).
     """
     return _probs(logits, options, _row_params(options, list(range(len(options))), logits.device))
-
-
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs [V]`` (unnormalized is fine) by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def _noise(options: list[SamplingOptions], output_indices: list[int], vocab: int, device: torch.device,
@@ -182,114 +169,3 @@ def sampled_tokens(req_ids: list[str], tokens: list[int] | torch.Tensor, logprob
         top = list(zip((int(i) for i in row[2 + width:2 + width + opt.logprobs]), row[2:2 + opt.logprobs]))
         out.append(SampledToken(req_id, int(row[0]), row[1], top))
     return out
-
-
-def draft_sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-                 generator: torch.Generator | None = None) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The draft model's proposals: argmax for greedy rows, else a draw from ``q`` = the row's
-    filtered distribution (recorded for rejection sampling).
-
-    Args:
-        logits: ``[N, V]`` float32 draft logits. options / output_indices: per row.
-        generator: noise for unseeded rows.
-
-    Returns:
-        ``(token ids, per row q [V] float32 or None for greedy rows)``.
-    """
-    tokens, probs = logits.argmax(dim=-1).tolist(), [None] * logits.shape[0]
-    random_rows = [i for i, o in enumerate(options) if not is_greedy(o)]
-    if random_rows:
-        q = sampling_probs(logits[torch.tensor(random_rows, device=logits.device)], [options[i] for i in random_rows])
-        for row, i in enumerate(random_rows):
-            seed = options[i].seed
-            gen = generator if seed is None else seeded_generator(seed, output_indices[i], DRAFT_STREAM, logits.device)
-            tokens[i], probs[i] = _race(q[row], gen), q[row]
-    return tokens, probs
-
-
-def verify_drafts(logits: torch.Tensor, option: SamplingOptions, draft_ids: list[int],
-                  draft_probs: torch.Tensor | None, output_index: int,
-                  generator: torch.Generator | None = None) -> list[int]:
-    """Accept a prefix of one request's drafts and add the bonus or corrected token.
-
-    Args:
-        logits: ``[k + 1, V]`` float32 target logits; row ``j`` scores the token after the
-            ``j``-th draft (row 0: after the last accepted token).
-        option: the request's sampling settings.
-        draft_ids: the ``k`` draft tokens.
-        draft_probs: ``[k, V]`` float32 draft distributions q (None allowed only when greedy).
-        output_index: output index of the first token emitted here.
-        generator: noise for an unseeded request.
-
-    Returns:
-        ``a + 1`` token ids: the ``a`` accepted drafts, then the corrected (or bonus) token.
-    """
-    num_drafts = len(draft_ids)
-    assert logits.shape[0] == num_drafts + 1, f"{logits.shape[0]} logit rows for {num_drafts} drafts"
-    if is_greedy(option):
-        target = logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < num_drafts and draft_ids[accepted] == target[accepted]:
-            accepted += 1
-        return draft_ids[:accepted] + [target[accepted]]
-    assert draft_probs is not None and draft_probs.shape[0] == num_drafts, "sampled drafts need q"
-    probs = sampling_probs(logits, [option] * (num_drafts + 1))
-    out = []
-    device = logits.device
-    for j, draft in enumerate(draft_ids):
-        gen = generator if option.seed is None else seeded_generator(option.seed, output_index + j, device=device)
-        p, q = probs[j], draft_probs[j].to(device=device, dtype=probs.dtype)
-        if torch.rand((), generator=gen, device=device) * q[draft] < p[draft]:      # u < p/q, without dividing by 0
-            out.append(draft)
-            continue
-        residual = (p - q).clamp_(min=0.0)
-        out.append(_race(residual if residual.sum() > 0 else p, gen))
-        return out
-    gen = generator if option.seed is None else seeded_generator(option.seed, output_index + num_drafts, device=device)
-    out.append(_race(probs[num_drafts], gen))
-    return out
-
-
-def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], options: list[SamplingOptions],
-                       generator: torch.Generator | None = None,
-                       logprob_logits: torch.Tensor | None = None) -> list[SampledToken]:
-    """Rank 0's sampling for a step in which some requests verify drafts.
-
-    Args:
-        logits: ``[sum(1 + num_spec_tokens), V]`` float32: per sampling request, its
-            ``num_spec_tokens + 1`` last rows in order (after grammar masks and penalties).
-        sampling: the plan's sampling requests. options: their settings.
-        generator: noise for unseeded requests.
-        logprob_logits: the raw logits, same shape, whose logprobs are reported (default: ``logits``).
-
-    Returns:
-        Per request, in order: its accepted drafts and then one sampled token (plain requests: one).
-    """
-    starts, plain = [], []
-    row = 0
-    for i, sched in enumerate(sampling):
-        starts.append(row)
-        if sched.num_spec_tokens == 0:
-            plain.append(i)
-        row += 1 + sched.num_spec_tokens
-    assert row == logits.shape[0], f"{logits.shape[0]} logit rows, expected {row}"
-    per_request: list[list[SampledToken]] = [[] for _ in sampling]
-    raw = logits if logprob_logits is None else logprob_logits
-    if plain:
-        opts = [options[i] for i in plain]
-        index = torch.tensor([starts[i] for i in plain], device=logits.device)
-        tokens, logprobs = sample(logits[index], opts, [sampling[i].output_index for i in plain], generator,
-                                  raw[index])
-        for i, out in zip(plain, sampled_tokens([sampling[i].req_id for i in plain], tokens, logprobs, opts)):
-            per_request[i] = [out]
-    for i, sched in enumerate(sampling):
-        num_spec = sched.num_spec_tokens
-        if num_spec == 0:
-            continue
-        rows = logits[starts[i]:starts[i] + num_spec + 1]
-        tokens = verify_drafts(rows, options[i], sched.token_ids[-num_spec:], sched.draft_probs,
-                               sched.output_index, generator)
-        raw_rows = raw[starts[i]:starts[i] + len(tokens)]
-        logprobs = raw_rows.log_softmax(dim=-1) if options[i].logprobs is not None else rows.new_empty(0)
-        per_request[i] = sampled_tokens([sched.req_id] * len(tokens), tokens, logprobs, [options[i]] * len(tokens))
-    return [token for tokens in per_request for token in tokens]

@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from shardserve.cluster.engine.block_manager import BlockManager
 from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.engine.grammar import GrammarState
-from shardserve.cluster.engine.request import Logprob, Request, RequestStatus, SamplingParams, tokenize_bad_words
+from shardserve.cluster.engine.request import (Logprob, Request, RequestStatus, SamplingParams, SpecUsage,
+                                                tokenize_bad_words)
 from shardserve.cluster.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
@@ -47,6 +49,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache
+    spec_decode: SpecUsage | None = None     # the request's speculative decoding so far (speculation on)
 
 
 @dataclass(slots=True)
@@ -164,8 +167,9 @@ class EngineCore:
         request that samples carries its token bitmask (``cluster/engine/grammar.py``)."""
         self._check_drafts()
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            batch.plan.return_hidden = True   # the MTP needs h_t of every computed position
+        if self.speculator is not None and batch.plan.scheduled:
+            # the MTP needs h_t of every computed position, unless its policy skips the next pass
+            batch.plan.return_hidden = self.speculator.wants_hidden(batch)
         for request, sched in zip(batch.requests, batch.plan.scheduled):
             if sched.sample and request.grammar is not None:
                 drafts = sched.token_ids[len(sched.token_ids) - sched.num_spec_tokens:]
@@ -179,8 +183,7 @@ class EngineCore:
             if request.grammar is not None and request.spec_token_ids:
                 keep = request.grammar.valid_prefix(request.spec_token_ids)
                 if keep < len(request.spec_token_ids):
-                    request.spec_token_ids = request.spec_token_ids[:keep]
-                    request.spec_probs = request.spec_probs[:keep] if keep and request.spec_probs is not None else None
+                    request.spec_token_ids = request.spec_token_ids[:keep]   # q's row keeps its first rows
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Apply rank 0's samples for ``batch``: append tokens, check stops, emit deltas.
@@ -206,12 +209,14 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute (blocking), update; with a speculator, then draft the next tokens."""
+        started = time.perf_counter()
         batch = self.schedule()
         if not batch.plan.scheduled:
             return []
         result = self.executor.execute(batch.plan)
         outputs = self.update(batch, result)
         if self.speculator is not None:
+            self.speculator.observe_step(batch, time.perf_counter() - started)
             self.speculator.propose(self, batch, result)
         return outputs
 
@@ -239,7 +244,8 @@ class EngineCore:
         return RequestOutput(
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
-            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
+            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            spec_decode=request.spec)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params

@@ -19,6 +19,24 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0       # |logit_bias| values (OpenAI's range)
 
 
+@dataclass(slots=True)
+class SpecUsage:
+    """One request's speculative decoding (vLLM's ``spec_decode`` counters, per request)."""
+
+    num_drafts: int = 0              # steps that verified drafts for it
+    num_draft_tokens: int = 0        # draft tokens verified
+    num_accepted_tokens: int = 0     # of those, accepted
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens per verifying step (accepted drafts + 1); None before any draft was verified."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_length": self.acceptance_length}
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle; every status above PREEMPTED is final (vLLM's ordering trick)."""
 
@@ -280,7 +298,8 @@ class Request:
     # Speculative decoding: draft tokens proposed after the last output token, verified (and then
     # cleared) by the next step that schedules this request; never part of the output until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_probs: object = None           # [len(spec_token_ids), vocab] float32 draft q; None = greedy
+    spec_probs_row: int = -1            # row of the draft's q buffer holding their distributions; -1 = greedy
+    spec: SpecUsage | None = None       # acceptance counts (speculation on), reported in the final usage
     # Async scheduling: tokens being sampled by steps in flight (scheduled, result not back yet).
     # The next step computes such a token at its position before the coordinator knows it: the plan
     # carries PLACEHOLDER_TOKEN there and rank 0 puts in the token it sampled for the request.

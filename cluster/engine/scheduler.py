@@ -108,7 +108,7 @@ class Scheduler:
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_probs = [], None
+        request.spec_token_ids, request.spec_probs_row = [], -1
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
         request.sent_to_workers, request.num_sent_blocks = False, 0
@@ -191,9 +191,9 @@ class Scheduler:
                 sample=sample,
                 output_index=request.num_output_tokens + request.num_placeholders,
                 num_spec_tokens=num_spec,
-                draft_probs=None if not num_spec or request.spec_probs is None else request.spec_probs[:num_spec],
+                draft_probs_row=request.spec_probs_row if num_spec else -1,
             ))
-            request.spec_token_ids, request.spec_probs = [], None
+            request.spec_token_ids, request.spec_probs_row = [], -1
             request.num_sent_blocks = len(request.block_ids)
             request.num_computed_tokens += num_new
             request.num_placeholders += sample   # given back by EngineCore.update when the result is in

@@ -537,11 +537,23 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0                          # prompt tokens from the prefix cache
     output: object = None          # chat: a cluster.frontend.chat_output.ChoiceOutput (None: plain text)
+    spec_decode: object = None       # pb.SpecDecodeUsage of the last response (the replica speculates)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice] = ()) -> dict:
+    """OpenAI's ``usage``; with MTP speculation, plus the extension field ``spec_decode``: the
+    choices' ``num_drafts`` (verifying steps), ``num_draft_tokens``, ``num_accepted_tokens`` summed,
+    and ``acceptance_length`` (tokens per verifying step: accepted + 1; null before any)."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    specs = [c.spec_decode for c in choices if c.spec_decode is not None]
+    if specs:
+        counts = {key: sum(getattr(spec, key) for spec in specs)
+                  for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        drafts = counts["num_drafts"]
+        body["spec_decode"] = dict(counts, acceptance_length=1.0 + counts["num_accepted_tokens"] / drafts
+                                   if drafts else None)
+    return body
 
 
 def finish_reason(engine_reason: str) -> str | None:
@@ -596,7 +608,7 @@ def response_body(kind: str, request_id: str, created: int, model: str, choices:
     prompt_tokens = sum({c.index // n: c.prompt_tokens for c in choices}.values())
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": model, "choices": items,
-            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), choices)}
 
 
 def chunk_body(kind: str, request_id: str, created: int, model: str, index: int, *, text: str | None = None,
@@ -624,7 +636,8 @@ def chunk_body(kind: str, request_id: str, created: int, model: str, index: int,
 
 
 def usage_chunk(kind: str, request_id: str, created: int, model: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, choices: list[Choice] = ()) -> dict:
     """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, choices)}

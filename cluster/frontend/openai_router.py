@@ -513,6 +513,8 @@ class RouterCore:
         choice.logprobs += resp.logprobs
         choice.prompt_tokens, choice.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
         choice.cached_tokens = resp.usage.cached_tokens
+        if resp.usage.HasField("spec_decode"):
+            choice.spec_decode = resp.usage.spec_decode
         if resp.finish_reason:
             choice.finish_reason = resp.finish_reason
 
@@ -678,7 +680,7 @@ class RouterCore:
                 if run.parsed.include_usage:
                     prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())
                     yield _sse_data(usage_chunk(kind, run.request_id, run.created, run.model, prompt,
-                                                sum(c.completion_tokens for c in run.choices)))
+                                                sum(c.completion_tokens for c in run.choices), run.choices))
                 run.outcome = "finished"
             yield "data: [DONE]\n\n"
         finally:

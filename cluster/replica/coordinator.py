@@ -34,7 +34,7 @@ from shardserve.cluster.replica.reload_guard import (
     SWAP_ALLOWANCE_S, ReloadRefused, allowed_root, checkpoint_under_root, cluster_reload_lock, lock_name)
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
-from shardserve.cluster.replica.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.cluster.replica.worker_group import DraftSpec, GroupConfig, WorkerDiedError, WorkerGroup
 from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.model_source import load_config, model_context_length, resolve_model
 
@@ -68,8 +68,8 @@ class Coordinator:
         front: what the gRPC server enforces (API keys, TLS, admission, request timeout).
 
     When created inside a placement group, shard worker i uses bundle ``i + 1`` of it (bundle 0
-    is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) bundle
-    ``tensor_parallel_size + 1``; otherwise the worker group makes its own placement group.
+    is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) shares
+    rank 0's; otherwise the worker group makes its own placement group.
     """
 
     def __init__(self, args: EngineArgs, group: GroupConfig | None = None, front: FrontConfig | None = None) -> None:
@@ -92,20 +92,22 @@ class Coordinator:
         group.tensor_parallel_size = args.tensor_parallel_size
         self.group_config = group
         pg = get_current_placement_group()
+        draft = (DraftSpec(args.draft_buffer_sizes(), args.seed, args.device, args.dtype)
+                 if args.speculative_tokens else None)
         self.group = WorkerGroup(
             self.files, self.hf_config, args.runner_config(), group, args.max_num_batched_tokens, args.max_num_seqs,
-            placement=(pg, 1) if pg is not None else None)
+            placement=(pg, 1) if pg is not None else None, draft=draft)
         try:
             max_len = args.fit_max_model_len(model_context_length(self.hf_config),
                                              self.group.num_blocks)
         except ValueError:
             self.group.shutdown()
             raise
-        self.drafter, speculator = self._start_drafter(args, group, pg), None
+        self.drafter, speculator = self.group.drafter, None
         if self.drafter is not None:
             from shardserve.cluster.engine.speculative import Speculator
 
-            speculator = Speculator(self.drafter, args.speculative_tokens)
+            speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
@@ -136,18 +138,6 @@ class Coordinator:
         logger.info("replica ready: %s, TP=%d (%s, %s%s), %d KV blocks", self.files.name, args.tensor_parallel_size,
                     self.group.collective, group.dispatch, ", async scheduling" if self._pipelined else "",
                     self.group.num_blocks)
-
-    def _start_drafter(self, args: EngineArgs, group: GroupConfig, pg) -> RemoteDrafter | None:
-        """The MTP draft worker when speculation is on (stops the shard workers if it fails)."""
-        if not args.speculative_tokens:
-            return None
-        try:
-            return RemoteDrafter(self.files, self.hf_config, args.block_size, self.group.num_blocks, group,
-                                 (pg, args.tensor_parallel_size + 1) if pg is not None else None, args.seed,
-                                 device=args.device, dtype=args.dtype)
-        except Exception:
-            self.group.shutdown()
-            raise
 
     # -- engine loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -217,6 +207,7 @@ class Coordinator:
             if in_flight:
                 in_flight[0][2] = time.perf_counter()   # the step sent ahead starts when this one is back
             if self.core.speculator is not None:   # draft the next step's tokens
+                self.core.speculator.observe_step(batch, time.perf_counter() - started)
                 try:
                     await self.core.speculator.propose_async(self.core, batch, result)
                 except WorkerDiedError as exc:
@@ -312,9 +303,7 @@ class Coordinator:
             raise RuntimeError(self.failed)
 
     def _stop_workers(self) -> None:
-        self.group.shutdown()
-        if self.drafter is not None:
-            self.drafter.shutdown()
+        self.group.shutdown()   # the draft worker too
 
     # -- weight reload ------------------------------------------------------------------------------
     async def reload_weights(self, model: str | None = None, mode: str | None = None) -> dict:
@@ -592,7 +581,7 @@ class Coordinator:
 
     def speculative_metrics(self) -> str:
         """MTP acceptance counters in Prometheus text format (empty when speculation is off)."""
-        return self.core.speculator.stats.prometheus_text() if self.core.speculator else ""
+        return self.core.speculator.stats.prometheus_text(self.files.name) if self.core.speculator else ""
 
     def _architecture(self) -> str:
         from shardserve.workers.models.registry import model_class
@@ -650,8 +639,8 @@ def default_cpus_per_worker(tensor_parallel_size: int) -> float:
 
 def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None,
                        front: FrontConfig | None = None):
-    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers, N + 1: the
-    MTP draft worker when ``args.speculative_tokens > 0``) and start a coordinator actor in it.
+    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers; the MTP draft
+    worker, when ``args.speculative_tokens > 0``, shares bundle 1) and start a coordinator actor in it.
 
     Returns:
         ``(actor handle, placement group)``; the caller removes the group when done.
@@ -664,7 +653,7 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     worker_bundle = {"CPU": group.cpus_per_worker, **({"GPU": group.gpus_per_worker} if group.gpus_per_worker else {})}
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the draft worker
+    num_workers = args.tensor_parallel_size
     pg = placement_group([{"CPU": 1.0}] + [dict(worker_bundle) for _ in range(num_workers)],
                          strategy=group.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=120)
@@ -672,8 +661,7 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)
-        raise TimeoutError(f"the Ray cluster cannot fit 1 + {num_workers} bundles "
-                           f"({worker_bundle} per shard or draft worker)")
+        raise TimeoutError(f"the Ray cluster cannot fit 1 + {num_workers} bundles ({worker_bundle} per shard worker)")
     options = {"num_cpus": 1.0, "max_concurrency": 1000,
                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)}
     if name:

@@ -66,7 +66,17 @@ def _response(out) -> pb.GenerateResponse:
                   for lp in out.new_logprobs],
         finish_reason=out.finish_reason or "",
         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                       cached_tokens=out.num_cached_tokens))
+                       cached_tokens=out.num_cached_tokens,
+                       spec_decode=_spec_usage(out.spec_decode)))
+
+
+def _spec_usage(spec) -> pb.SpecDecodeUsage | None:
+    """A request's :class:`cluster.engine.request.SpecUsage` as the proto message (None: speculation off)."""
+    if spec is None:
+        return None
+    return pb.SpecDecodeUsage(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                              num_accepted_tokens=spec.num_accepted_tokens,
+                              acceptance_length=spec.acceptance_length)
 
 
 ADMIN_METHODS = frozenset({f"/{SERVICE}/ReloadWeights"})   # admin key (or the router's token) only

@@ -89,11 +89,12 @@ def test_greedy_with_grammar_and_penalties_equals_plain_decoding(mtp_checkpoint,
 
 def test_oracle_drafts_partly_right_and_preemption(mtp_checkpoint, plain):
     """Drafts equal to the answer except every third output index (wrong there: often outside the
-    grammar, so cut before verification, else rejected); a 9-block pool preempts requests."""
+    grammar, so cut before verification, else rejected); a 9-block pool preempts requests; the
+    adaptive policy picks the depths."""
     arch = "deepseek_v32"
     expected = plain(arch)
     truth = {tuple(p): ids + [EOS] * 8 for p, ids in zip(batch_prompts(), expected)}
-    llm = make_llm(mtp_checkpoint(arch).path, 3, num_blocks=9)
+    llm = make_llm(mtp_checkpoint(arch).path, 3, "adaptive", num_blocks=9)
     install_oracle(llm, truth, wrong=lambda index: index % 3 == 1)
     preempted = []
     schedule = llm.core.scheduler.schedule
