@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.kernels.fused_moe import PAIRWISE_CHUNK_BYTES, PAIRWISE_MAX_TOKENS
 from shardserve.kernels.mla_attention import absorbed_ref_tiles
 from shardserve.kernels.mla_prefill import expanded_chunk_keys, expanded_is_cheaper
 from shardserve.kernels.workspace import WORKSPACE_ELEMENTS, plan_row_chunks
@@ -250,8 +251,9 @@ def _mlp(mlp, tokens: int, hidden: int, d: int, triton: bool) -> int:
 
 def _experts(experts, tokens: int, top_k: int, d: int, triton: bool) -> int:
     """Routed experts (:func:`kernels.fused_moe`). Triton: the pair alignment, the SiLU-mul
-    intermediate ``[T k, I]`` and the float32 pair outputs ``[T k, H]``. Reference: a per-expert
-    loop over at most ``T`` tokens (each token picks an expert once), FP8 experts dequantized whole."""
+    intermediate ``[T k, I]`` and the float32 pair outputs ``[T k, H]``. Reference:
+    pair-wise up to ``PAIRWISE_MAX_TOKENS`` tokens (a chunk of pairs against their gathered expert
+    weights), else a per-expert loop over at most ``T`` tokens; FP8 experts dequantized whole."""
     hidden, inter, local = experts.hidden_size, experts.intermediate_size, experts.count
     pairs = tokens * top_k
     if triton:
@@ -259,8 +261,15 @@ def _experts(experts, tokens: int, top_k: int, d: int, triton: bool) -> int:
         capacity = -(-(pairs + min(pairs, local) * (block_m - 1)) // block_m) * block_m
         align = _n(pairs) * 8 * 6 + capacity * 4 + _n(local + 1) * 8 * 4
         return align + _n(pairs, inter) * d + _n(pairs, hidden) * 4 + _n(tokens, hidden) * (4 + d)
-    total = _n(tokens, hidden) * d + _n(tokens, top_k) * (1 + 8 * 3)
-    total += _n(tokens, hidden) * (3 * d + 4) + _n(tokens, inter) * d * 4                # one expert's rows
+    if tokens <= PAIRWISE_MAX_TOKENS:   # the pair-wise reference: gathered weights of a chunk of pairs
+        per_pair = 3 * inter * hidden * d
+        chunk = min(pairs, max(1, PAIRWISE_CHUNK_BYTES // per_pair))
+        total = (_n(tokens, top_k) * (8 * 3 + 4 * 2 + 1) + _n(pairs, hidden) * d * 2 + chunk * per_pair
+                 + _n(chunk, 2 * inter) * d * 2 + _n(chunk, inter) * d * 2 + _n(chunk, hidden) * d * 3
+                 + _n(tokens, hidden) * d * 2)
+    else:
+        total = _n(tokens, hidden) * d + _n(tokens, top_k) * (1 + 8 * 3)
+        total += _n(tokens, hidden) * (3 * d + 4) + _n(tokens, inter) * d * 4            # one expert's rows
     if experts.w13_weight.dtype == torch.float8_e4m3fn:
         total += (experts.w13_weight.numel() + experts.w2_weight.numel()) * d + _n(2 * inter, hidden) * 4 * 3
     return total

@@ -32,7 +32,7 @@ from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPl
                                      decode_graph_backend, plan_rank)
 from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.rejection_sampler import sample_with_drafts
-from shardserve.workers.sampler import sample, sampled_tokens
+from shardserve.workers.sampler import sample_on_device, sampled_tokens
 from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
@@ -199,7 +199,7 @@ class ModelRunner:
         from shardserve.kernels.dispatch import use_triton
 
         return decode_graph_backend(self.config.decode_graphs, self.config.enforce_eager, self.device.type,
-                                    bool(self.state_layers), use_triton(torch.empty(0, device=self.device)))
+                                    use_triton(torch.empty(0, device=self.device)))
 
     def plan_config(self) -> PlanConfig:
         """This rank's :class:`workers.plan.PlanConfig`: the runner's settings, its device's size
@@ -273,8 +273,9 @@ class ModelRunner:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers)."""
-        return cache_bytes(self.state_layers, self.num_state_slots, 1)
+        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers;
+        with decode graphs one scratch slot more)."""
+        return cache_bytes(self.state_layers, self.num_state_slots + (self.graph_backend is not None), 1)
 
     def max_num_blocks(self) -> int:
         """Blocks that fit this rank's budget: ``num_blocks`` when set, else :attr:`plan`'s
@@ -292,9 +293,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks + (backend is not None),
                                            self.block_size, self.device)
-        if self.state_layers:   # one state slot per sequence, beside the KV cache (same allocator)
-            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots, 1, self.device)
-            self.state_cache = StateCache(self.state_layers)
+        if self.state_layers:   # one state slot per sequence (+ the graphs' scratch slot), beside the KV cache
+            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots + (backend is not None), 1,
+                                                self.device)
+            self.state_cache = StateCache(self.state_layers, self.num_state_slots)
             logger.info("rank %d: recurrent-state pool %.1f MiB in %d slots", get_tp_group().tp_rank,
                         self.state_bytes / 2**20, self.num_state_slots)
         logger.info("rank %d on %s (%s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in %d blocks of %d "
@@ -357,7 +359,8 @@ class ModelRunner:
             from shardserve.workers.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward, self.device, self.config.max_num_seqs, self.max_model_len,
-                                       self.block_size, self.num_blocks, backend)
+                                       self.block_size, self.num_blocks, backend,
+                                       self.num_state_slots if self.state_layers else None)
             self.graphs.capture()
 
     def memory_info(self) -> dict:
@@ -400,9 +403,6 @@ class ModelRunner:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
         if get_tp_group().tp_rank == 0:
             self._track_controls(plan)
-        holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
-        if holes:
-            self._fill_placeholders(holes)
 
     def _track_controls(self, plan: StepPlan) -> None:
         """Rank 0: forget finished requests' control state, take it for new ones that have controls."""
@@ -415,37 +415,42 @@ class ModelRunner:
                     self.controls = SamplingControls(self.hf_config.vocab_size, self.device)
                 self.controls.add(new.req_id, new.sampling, new.token_ids or [], new.num_prompt_tokens)
 
-    def _fill_placeholders(self, holes: list) -> None:
-        """Async scheduling: put rank 0's last sample of each request in its decode's placeholder.
-        Other ranks get them from rank 0 in one all-reduce of ``[len(holes)]`` int64 (zeros elsewhere;
-        exact on every backend: ids are far below 2**24, the shm backend sums in float32).
+    def _host_batch(self, plan: StepPlan) -> HostBatch:
+        """The step's host layout; placeholders (async scheduling) hold rank 0's last samples on rank
+        0 and 0 elsewhere, their rows kept in ``placeholder_rows`` when ranks must share them.
 
         Raises:
-            RuntimeError: rank 0 never sampled for one of them (a coordinator bug).
+            RuntimeError: rank 0 never sampled for a placeholder's request (a coordinator bug).
         """
+        host = build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
+                                self.block_size)
+        if not host.placeholder_rows:
+            return host
         group = get_tp_group()
         if group.tp_rank == 0:
-            tokens = [self.requests[sched.req_id].last_sampled for sched in holes]
-            if PLACEHOLDER_TOKEN in tokens:
-                missing = holes[tokens.index(PLACEHOLDER_TOKEN)].req_id
-                raise RuntimeError(f"the plan has a placeholder for {missing!r}, which rank 0 never sampled")
-        else:
-            tokens = [0] * len(holes)
-        if group.tp_size > 1:
-            tokens = group.all_reduce(torch.tensor(tokens, dtype=torch.int64, device=self.device)).tolist()
-        for sched, token in zip(holes, tokens):
-            sched.token_ids[-1] = token
+            holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
+            for row, sched in zip(host.placeholder_rows, holes):
+                token = self.requests[sched.req_id].last_sampled
+                if token == PLACEHOLDER_TOKEN:
+                    raise RuntimeError(f"the plan has a placeholder for {sched.req_id!r}, which rank 0 never sampled")
+                host.input_ids[row] = token
+        if group.tp_size == 1:
+            host.placeholder_rows = []
+        return host
 
-    def _host_batch(self, plan: StepPlan) -> HostBatch:
-        return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
-                                self.block_size)
+    @staticmethod
+    def _share_placeholders(input_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Async scheduling at TP > 1: every rank's ``input_ids[rows]`` become rank 0's (the other
+        ranks hold 0 there) in one all-reduce on the device: no host round trip on any rank (exact on
+        every backend: ids are far below 2**24, the shm backend sums in float32)."""
+        input_ids.index_copy_(0, rows, get_tp_group().all_reduce(input_ids.index_select(0, rows)))
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
         return self._device_inputs(self._host_batch(plan), plan)
 
     def _device_inputs(self, host: HostBatch, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        input_ids, meta, rows = device_batch(host, self.stager)
+        input_ids, meta, rows = device_batch(host, self.stager, self._share_placeholders)
         if self.state_cache is not None:   # hybrid models: the recurrent-state slots of this step
             meta.state = self.state_cache.begin_step(plan)
         return input_ids, meta, rows
@@ -461,7 +466,8 @@ class ModelRunner:
             return torch.empty(0, self.hf_config.vocab_size, device=self.device)
         host = self._host_batch(plan)
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
-            hidden, rows = self.graphs.run(host, self.stager), None
+            state_slots = None if self.state_cache is None else self.state_cache.begin_decode(plan)
+            hidden, rows = self.graphs.run(host, self.stager, state_slots, self._share_placeholders), None
         else:
             input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
@@ -506,8 +512,8 @@ class ModelRunner:
             sampled = sample_with_drafts(processed, sampling, options, None if buffers is None else buffers.probs,
                                          self.generator, logprob_logits=logits)
         else:
-            tokens, logprobs = sample(processed, options, [s.output_index for s in sampling], self.generator,
-                                      logprob_logits=logits)
+            tokens, logprobs = sample_on_device(processed, options, [s.output_index for s in sampling],
+                                                self.generator, logprob_logits=logits)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
         for token in sampled:   # in order: a request's last entry is its newest token
             self.requests[token.req_id].last_sampled = token.token_id

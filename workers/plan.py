@@ -221,7 +221,8 @@ def _indexer_bytes(layers, block_size: int) -> int:
                for shape, dtype in [layer.indexer.cache_spec(1, block_size)])
 
 
-def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dtype_bytes: int) -> int:
+def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dtype_bytes: int,
+                 hybrid: bool = False) -> int:
     """Decode graphs: their fixed input buffers and outputs (``workers/cuda_graphs.py``), and on
     CUDA the shared pool, which holds the largest captured decode step's temporaries."""
     if backend is None:
@@ -230,7 +231,11 @@ def _graph_bytes(model, config: PlanConfig, backend: str | None, hidden: int, dt
 
     sizes = capture_sizes(config.max_num_seqs)
     largest, width = sizes[-1], -(-config.max_model_len // config.block_size)
-    buffers = (4 * largest + 2 * largest * width + largest + 1) * 8      # ids, positions, slots, lengths, tables
+    # ids, positions, slots, lengths (+ state slots), shared-placeholder rows, tables, query starts
+    regions = 4 + hybrid
+    buffers = ((regions + 1) * largest + 2 * largest * width + largest + 1) * 8
+    if hybrid:
+        buffers += (largest + 1) * 4                                     # int32 state starts
     if backend != "cuda":
         return buffers
     outputs = sum(sizes) * hidden * dtype_bytes                          # each graph's output, kept in the pool
@@ -261,8 +266,7 @@ def plan_rank(model, config: PlanConfig, rank: int, draft=None) -> RankPlan:
     if draft is not None:
         draft_weights = sum(weight_bytes_by_format(draft).values()) + buffer_bytes(draft)
         draft_tokens = cache_bytes(draft.attention_layers(), 1, bs)
-    backend = decode_graph_backend(config.decode_graphs, config.enforce_eager, config.device, bool(state_layers),
-                                   config.triton)
+    backend = decode_graph_backend(config.decode_graphs, config.enforce_eager, config.device, config.triton)
     shape = StepShape.prefill(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
     activation = step_activation_bytes(model, shape, config.triton, bs)
     if draft is not None:
@@ -274,9 +278,11 @@ def plan_rank(model, config: PlanConfig, rank: int, draft=None) -> RankPlan:
         weight_bytes_by_dtype=weight_bytes_by_format(model), buffer_bytes=buffer_bytes(model),
         draft_weight_bytes=draft_weights, kv_bytes_per_token=kv // bs, indexer_bytes_per_token=indexer // bs,
         draft_bytes_per_token=draft_tokens // bs,
-        state_bytes=cache_bytes(state_layers, config.max_num_seqs + 1, 1) if state_layers else 0,
+        # one slot per sequence + 1 spare, + the decode graphs' scratch slot (padded rows)
+        state_bytes=cache_bytes(state_layers, config.max_num_seqs + 1 + (backend is not None), 1) if state_layers else 0,
         activation_bytes=activation,
-        graph_bytes=_graph_bytes(model, config, backend, model.config.hidden_size, dtype_bytes(model)),
+        graph_bytes=_graph_bytes(model, config, backend, model.config.hidden_size, dtype_bytes(model),
+                                 bool(state_layers)),
         overhead_bytes=config.estimated_overhead(), block_size=bs, max_model_len=config.max_model_len,
         scratch_blocks=1 if backend is not None else 0)
     return plan.solve(config)
@@ -423,7 +429,7 @@ def check_plan(plan: RankPlan) -> None:
         raise DoesNotFitError(plan.reason)
 
 
-def decode_graph_backend(mode: str, enforce_eager: bool, device: str, hybrid: bool, triton: bool) -> str | None:
+def decode_graph_backend(mode: str, enforce_eager: bool, device: str, triton: bool) -> str | None:
     """How a runner runs decode steps: ``"cuda"`` (captured CUDA graphs), ``"replay"`` (the eager
     stand-in on fixed buffers: tests and dry runs) or None (eager).
 
@@ -431,11 +437,13 @@ def decode_graph_backend(mode: str, enforce_eager: bool, device: str, hybrid: bo
         mode: ``RunnerConfig.decode_graphs`` (``"auto"``, ``"replay"``, ``"off"``).
         enforce_eager: ``--enforce-eager``.
         device: ``"cuda"`` / ``"cpu"``.
-        hybrid: the model has recurrent-state layers.
         triton: the Triton kernels run (the torch references sync with the host: not capturable).
     """
     if mode == "replay":
         return "replay"
-    if mode == "off" or enforce_eager or device != "cuda" or hybrid:
-        return None   # NOTE: hybrid models' recurrent-state steps run eagerly (not captured yet)
+    if mode == "off" or enforce_eager or device != "cuda":
+        return None
+    # NOTE: hybrid models are captured too (recurrent states at fixed slots, workers/state_cache.py);
+    # the torch references' decode paths have no host sync either, but their pair-wise MoE and
+    # per-layer temporaries are sized for CPU: on CUDA, graphs run the kernels.
     return "cuda" if triton else None

@@ -231,7 +231,7 @@ class WorkerGroup:
     def can_pipeline(self) -> bool:
         """Whether steps may be submitted before the previous one's result is read (async
         scheduling): with actor calls, which each rank runs in submission order (rank 0 fills a
-        plan's placeholders and shares them with the other ranks, ``ModelRunner._fill_placeholders``)."""
+        plan's placeholders and shares them with the other ranks, ``ModelRunner._share_placeholders``)."""
         return self._dag is None
 
     def submit(self, plan: StepPlan) -> tuple[list, StepPlan]:

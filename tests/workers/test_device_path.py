@@ -112,11 +112,12 @@ def test_a_step_leaves_no_tensor_off_the_runners_device(checkpoints):
     assert runner.tensors_off_device() == ["cache.1.0: meta"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next"])
 def test_decode_graphs_give_the_eager_tokens(checkpoints, arch):
     """Padded decode batches replayed from fixed buffers (the CPU stand-in of CUDA graphs: same
-    padding, layout, size choice and slicing) == eager steps; a batch above the largest captured
-    size runs eagerly in the same runner."""
+    padding, layout, size choice and slicing, run under the host-sync guard) == eager steps, for
+    every model family (Qwen3-Next: recurrent states at fixed slots, padded rows on the scratch
+    slot); a batch above the largest captured size runs eagerly in the same runner."""
     path, _ = checkpoints(arch)
     runs = {}
     for mode in ("off", "replay"):
@@ -126,6 +127,7 @@ def test_decode_graphs_give_the_eager_tokens(checkpoints, arch):
         first = driver.step({"a": prompts["a"][:6], "b": prompts["b"], "c": prompts["c"]})
         first.update(driver.step({"a": prompts["a"][6:]}))
         tokens, logits = driver.greedy(first, 5)                      # 3 sequences: padded to 4
+        driver.finish("a", "b", "c")                                  # (their state slots, for Qwen3-Next)
         more = driver.greedy({f"x{i}": logits["a"][-1] for i in range(5)}, 1)   # 5 new ones: eager
         runs[mode] = tokens, logits, more[0]
         assert (runner.graphs is not None) == (mode == "replay")
