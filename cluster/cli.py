@@ -18,6 +18,7 @@ import sys
 
 from shardserve.cluster import cli_agents, generate_controls
 from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
+from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
 from shardserve.cluster.frontend.security import refuse_exposed
@@ -79,6 +80,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                              "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
+    parser.add_argument("--compile", choices=list(COMPILE_MODES), default="off",
+                        help="torch.compile the forward (auto: where it pays, CPU ranks; on: every device); kernels "
+                             "are built once per model shape and cached under $SHARDSERVE_CACHE")
     parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
                         help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
                              "output row, int4 per group of 32")
@@ -130,7 +134,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
                       speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization, compile=ns.compile,
                       recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
 
@@ -327,8 +331,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
         device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys),
-        **cli_agents.parser_settings(ns))
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, compile=ns.compile,
+        **serve_args_fields(ns, read_keys), **cli_agents.parser_settings(ns))
 
 
 def _wait_until_serving(url: str, app_name: str, num_replicas: int, timeout_s: float) -> list[dict]:

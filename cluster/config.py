@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
@@ -49,6 +50,8 @@ class EngineArgs:
         gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
             caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
         enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
+        compile: ``off``, ``auto`` (where it was measured to pay: CPU ranks) or ``on``: the forward
+            through ``torch.compile``, kernels cached under ``$SHARDSERVE_CACHE`` (``workers/compilation.py``).
         recovery_timeout: seconds a replica may take to repair a dead shard / draft worker in place
             (new actors in the same bundles; 0 = no in-place repair: the replica fails and Serve
             replaces it).
@@ -77,6 +80,7 @@ class EngineArgs:
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
     quantization: str = "none"
+    compile: str = "off"
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
@@ -114,6 +118,8 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")
@@ -128,7 +134,7 @@ class EngineArgs:
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            seed=self.seed, quantization=self.quantization)
+                            seed=self.seed, quantization=self.quantization, compile=self.compile)
 
     def draft_buffer_sizes(self):
         """What the buffers rank 0 shares with the MTP draft worker must hold

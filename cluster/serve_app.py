@@ -91,7 +91,7 @@ class ServeArgs:
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             dsa_sink, speculative_tokens, speculative_policy, device, dtype, gpu_memory_utilization, enforce_eager,
-            recovery_timeout, quantization: engine settings (see EngineArgs). ``device="cuda"`` with
+            recovery_timeout, quantization, compile: engine settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
@@ -146,6 +146,7 @@ class ServeArgs:
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
     quantization: str = "none"
+    compile: str = "off"
     api_key: str | list[str] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     api_key_sha256: list[str] | None = None
@@ -219,7 +220,7 @@ class ServeArgs:
                           speculative_policy=self.speculative_policy, device=self.device,
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                           enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
-                          quantization=self.quantization)
+                          quantization=self.quantization, compile=self.compile)
 
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""

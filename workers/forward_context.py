@@ -50,8 +50,12 @@ def get_attention_metadata() -> AttentionMetadata:
     """The current step's metadata.
 
     Raises:
-        RuntimeError: called outside :func:`forward_context`.
+        RuntimeError: called outside :func:`forward_context`, or in code that torch.compile traces
+            (the graph would keep one step's values: read it inside an opaque call instead,
+            ``workers/compilation.py``).
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the step's attention metadata is read in traced code; read it inside an opaque call")
     if _CONTEXT is None:
         raise RuntimeError("attention metadata requested outside forward_context()")
     return _CONTEXT

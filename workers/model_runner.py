@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.workers.checkpoint import GGUFCheckpoint
+from shardserve.workers.compilation import CompiledForward, use_compile
 from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_caches, gib, host_memory_available,
                                        resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
@@ -61,6 +62,8 @@ class RunnerConfig:
     seed: int = 0                        # seed of the generator for unseeded requests
     gpu_fraction: float = 1.0            # share of its GPU this rank may use (fractional --gpus-per-worker)
     draft_on_device: bool = False        # this rank also holds the MTP draft (counted in its plan)
+    compile: str = "off"                 # "off", "auto" (where it pays: CPU ranks) or "on": torch.compile'd
+                                         # forward (workers/compilation.py)
 
 
 def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
@@ -169,6 +172,8 @@ class ModelRunner:
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
             keep_fp8=self.device.type == "cuda", before_load=self._plan_rank, weight_format=weight_format)
+        self.forward = self.model   # the compiled forward after allocate_kv_cache with --compile
+        self.compiled: CompiledForward | None = None
         self.weight_record = self.checkpoint.observer.record
         self.requests: dict[str, RequestState] = {}
         self.controls: SamplingControls | None = None   # rank 0: penalties, logit_bias, ... (made on first use)
@@ -298,6 +303,7 @@ class ModelRunner:
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
                     self.weight_bytes / 2**20, self.plan.activation_bytes / 2**20, self.cache_bytes / 2**20,
                     num_blocks, self.block_size)
+        self.compile_forward()
         self.capture_graphs()
         self.check_memory_held()
 
@@ -335,6 +341,16 @@ class ModelRunner:
                 f"{gib(plan.capacity)} ({parts}): the plan under-counts this rank by {gib(held - plan.capacity)}; run with "
                 "--enforce-eager (no graph pool) or a lower --max-num-seqs, and report it")
 
+    def compile_forward(self) -> None:
+        """With ``--compile`` on for this device: compile the forward now (a warm-up step on the
+        scratch-free first block; a cache hit when this model shape was compiled before), so no
+        request pays for it."""
+        if self.compiled is not None or not use_compile(self.config.compile, self.device):
+            return
+        self.compiled = CompiledForward(self.model, self.model.forward)
+        self.forward = self.compiled
+        self.compiled.warm_up(self.model, self.block_size, self.device)
+
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs on the allocated caches, when this runner uses them (again
         after its TP group's communicator was re-formed: graphs hold their all-reduces)."""
@@ -342,7 +358,7 @@ class ModelRunner:
         if backend is not None:
             from shardserve.workers.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs, self.max_model_len,
+            self.graphs = DecodeGraphs(self.forward, self.device, self.config.max_num_seqs, self.max_model_len,
                                        self.block_size, self.num_blocks, backend,
                                        self.num_state_slots if self.state_layers else None)
             self.graphs.capture()
@@ -455,7 +471,7 @@ class ModelRunner:
         else:
             input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
-                hidden = self.model(input_ids, meta.positions)
+                hidden = self.forward(input_ids, meta.positions)
         if plan.return_hidden:
             self.last_hidden_states = hidden.clone() if rows is None else hidden
         return self.model.compute_logits(hidden if rows is None else hidden[rows])

@@ -36,6 +36,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from shardserve.cluster.frontend.openai_protocol import (
     Choice, OpenAIError, ParsedRequest, TokenText, bad_request, chat_logprobs, chunk_body, completion_logprobs,
     engine_rejected, finish_reason, limit_error, load_body, parse_chat, parse_completion, prompt_chars,
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
+from shardserve.cluster.frontend.replica_link import ReplicaLink
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
 from shardserve.cluster.frontend.responses_api import parse_responses
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
@@ -141,6 +143,7 @@ class RouterCore:
         self.tokenizer_error: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._polled = asyncio.Event()   # set after the first round of status calls
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # replica stub -> ReplicaLink
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
@@ -195,9 +198,19 @@ class RouterCore:
             ready = len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
+    def _link(self, stub, metadata: tuple) -> ReplicaLink:
+        """The streaming link over ``stub``'s channel with the replica's credential ``metadata`` (one
+        per replica channel, opened on first use; a new one if the replica's token changed)."""
+        link = self._links.get(stub)
+        if link is None or link.metadata != metadata:
+            link = self._links[stub] = ReplicaLink(stub, metadata)
+        return link
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        for link in list(self._links.values()):
+            link.close()
         channels = self.pool.detach_channels()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
@@ -458,14 +471,15 @@ class RouterCore:
             if timeout is not None and timeout <= 0:
                 lease.release()
                 raise timed_out(self._timeout_message())
-            stub = lease.stub   # the lease keeps the channel open even if the replica moves
+            # the lease keeps the channel (and its credential) even if the replica moves
+            link = self._link(lease.stub, lease.metadata)
             outputs = outputs or [None] * (len(prompt_ids) * n)
             calls: list = []
             try:   # NOTE: every call is built in here: whatever fails, the lease is paid back
                 for p, ids in enumerate(prompt_ids):
                     for j in range(n):
                         request = self._grpc_request(parsed, request_id, ids, p * n + j, caller, outputs[p * n + j])
-                        calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
+                        calls.append(link.generate(request, timeout))
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
             except BaseException:  # a bad value, or cancelled: the client left before the first token
                 for call in calls:
@@ -662,20 +676,30 @@ class RouterCore:
                     yield event
             open_calls = len(tasks)
             while open_calls:
+                # Every event already waiting goes out in one write: a stream that fell behind catches up
+                # in one message through Serve instead of one per token; nothing is held back.
+                events, failed = [], None
                 index, item, offset = await queue.get()
                 if run.outcome == "dropped":
                     return
-                if item is None:
-                    open_calls -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    err = self._failed(run, item)
+                while True:
+                    if item is None:
+                        open_calls -= 1
+                    elif isinstance(item, grpc.aio.AioRpcError):
+                        failed = item
+                        break
+                    else:
+                        events.append(self._event(run, index, item, offset) or "")
+                    if queue.empty():
+                        break
+                    index, item, offset = queue.get_nowait()
+                if failed is not None:
+                    err = self._failed(run, failed)
                     run.status = 200   # the stream had started: the error is its last event
-                    yield _sse_data(err.body())
+                    yield "".join(events) + _sse_data(err.body())
                     break
-                else:
-                    event = self._event(run, index, item, offset)
-                    if event:
-                        yield event
+                if any(events):
+                    yield "".join(events)
             else:
                 if run.parsed.include_usage:
                     prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())

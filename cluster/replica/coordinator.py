@@ -198,7 +198,7 @@ class Coordinator:
                 return
             batch, submitted, started = in_flight.popleft()
             try:
-                result = await asyncio.to_thread(self.group.collect, submitted)
+                result = await self.group.collect_async(submitted)
             except WorkerDiedError as exc:
                 await self._fail(str(exc))   # a step sent ahead failed with it: fail_all covers both
                 return

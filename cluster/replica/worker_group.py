@@ -13,6 +13,7 @@ trip per step) or plain actor calls; both send the same StepPlan to every rank a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -260,6 +261,23 @@ class WorkerGroup:
                 self._step_timer.observe(plan, result.execute_s)
                 return result
             return _first_failure_get(refs)[0]
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
+    async def collect_async(self, submitted: tuple[list, StepPlan]) -> StepResult:
+        """:meth:`collect` for the coordinator's event loop: with actor calls the ranks' results are
+        awaited on the loop itself (no thread hop per step); a compiled graph's read runs in a thread.
+
+        Raises:
+            WorkerDiedError: any rank died or raised.
+        """
+        if self._dag is not None:
+            return await asyncio.to_thread(self.collect, submitted)
+        refs, _ = submitted
+        try:
+            # gather raises the first failure as soon as it happens (the other ranks may be blocked in
+            # a collective waiting for the failed one; the caller then kills them)
+            return (await asyncio.gather(*refs))[0]
         except Exception as exc:
             raise self._failed(exc) from exc
 

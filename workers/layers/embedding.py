@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.layers.linear import _check_shape
 
@@ -70,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.vocab_size_local)
         out = self._lookup(local.masked_fill(outside, 0))
         out = out.masked_fill(outside[:, None], 0.0)
-        return group.all_reduce(out)
+        return tp_all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardserve.kernels import fp8_block_linear
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 
 
@@ -173,7 +174,7 @@ class RowParallelLinear(PackableLinear):
         group = get_tp_group()
         out = linear(self, x, None)
         if self.reduce_output and group.tp_size > 1:
-            out = group.all_reduce(out)
+            out = tp_all_reduce(out)
         if self.bias is not None and (self.reduce_output or group.tp_rank == 0):
             out = out + self.bias  # once in the sum, not tp_size times
         return out

@@ -58,6 +58,9 @@ class RotaryEmbedding(nn.Module):
         from shardserve.kernels import apply_rotary, use_triton
         from shardserve.kernels.rotary import rotary_factors, rotate
 
+        if torch.compiler.is_compiling():   # no per-step memo in a graph: Inductor shares the work itself
+            cos, sin = self.cos[positions], self.sin[positions]
+            return tuple(rotate(x, *rotary_factors(cos, sin, x.dtype, self.interleaved), self.interleaved) for x in xs)
         if not self._angles or self._angles[0] is not positions:   # once per step, not once per layer
             self._angles = (positions, self.cos[positions], self.sin[positions])
             self._factors = {}

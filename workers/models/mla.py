@@ -30,6 +30,7 @@ from torch import nn
 from shardserve.kernels import apply_rotary, store_cache
 from shardserve.kernels.mla_attention import mla_attention
 from shardserve.kernels.mla_prefill import mla_prefill_dense
+from shardserve.workers.compilation import opaque_call
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
@@ -66,9 +67,9 @@ class MLAAttention(nn.Module):
         indexer: this layer's own indexer, or None.
         shares_topk: use the selection of the most recent layer with an indexer (GLM IndexShare).
 
-    ``forward(positions [T], hidden [T, hidden], batch, prev_topk, top_k) -> ([T, hidden], topk)``
-    where ``topk`` is ``[T, k]`` int32 selected positions (``-1`` padded, see
-    :meth:`DSAIndexer.forward`) or None (= all keys).
+    ``forward(positions [T], hidden [T, hidden], top_k) -> [T, hidden]``; the step's DSA selection
+    passes from a layer with an indexer to the "shared" layers after it through the step's
+    metadata (:meth:`opaque_forward`).
     ``kv_cache`` is set by the runner: ``(latent_cache[, indexer_cache])``.
     """
 
@@ -138,9 +139,10 @@ class MLAAttention(nn.Module):
         q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
         return self.q_b_proj(q_latent).view(hidden.shape[0], self.num_heads, -1), q_latent
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: PagedBatch,
-                prev_topk: torch.Tensor | None, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = get_attention_metadata()
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, top_k: int | None) -> torch.Tensor:
+        """``positions [T], hidden [T, hidden] -> [T, hidden]`` (all-reduced); ``top_k`` None = dense MLA.
+        The projections, norms and RoPE are traced by ``--compile``; the cache writes, the indexer
+        and attention are one opaque call (:meth:`opaque_forward`)."""
         q, q_latent = self._queries(hidden)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -148,18 +150,32 @@ class MLAAttention(nn.Module):
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
         q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)
         k_pe = apply_rotary(k_pe[:, None, :], cos, sin, self.rope_interleaved)[:, 0]
-        store_cache(torch.cat((c, k_pe), dim=-1), self.latent_cache, meta.slot_mapping)
+        latent = torch.cat((c, k_pe), dim=-1)
+        q_latent = q_latent if q_latent is not None else latent   # (not read without an indexer)
+        (out,) = opaque_call(self, (hidden, q_nope, q_pe, latent, cos, sin, q_latent), (top_k or 0,))
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
 
-        topk = prev_topk if self.shares_topk else None
-        if self.indexer is not None and top_k is not None:
-            topk = self.indexer(hidden, q_latent, cos, sin, meta, top_k)
+    def opaque_forward(self, hidden, q_nope, q_pe, latent, cos, sin, q_latent, top_k: int):
+        """Cache writes, DSA selection and attention of one step: ``latent [T, kv_lora + rope]`` is
+        written to the latent cache; ``top_k`` 0 = dense MLA; returns ``([T, H_local, v],)``.
+
+        The selection (``[T, k]`` int32 positions, see :meth:`DSAIndexer.forward`, or None = all
+        keys) of a layer with an indexer is kept in the step's ``step_cache["dsa_topk"]``, where a
+        GLM "shared" layer, which runs after it, reads it (IndexShare)."""
+        meta = get_attention_metadata()
+        batch = PagedBatch.of_step(meta, self.latent_cache.shape[1])
+        store_cache(latent, self.latent_cache, meta.slot_mapping)
+        topk = meta.step_cache.get("dsa_topk") if self.shares_topk and top_k else None
+        if self.indexer is not None and top_k:
+            topk = meta.step_cache["dsa_topk"] = self.indexer(hidden, q_latent, cos, sin, meta, top_k)
         if self.record_topk:
             self.last_topk = topk
         if batch.max_query_len == 1:
-            out = self._decode(q_nope, q_pe, meta, topk)
-        else:
-            out = self._prefill(q_nope, q_pe, meta, batch, topk)                              # [T, H_local, v]
-        return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
+            return (self._decode(q_nope, q_pe, meta, topk),)
+        return (self._prefill(q_nope, q_pe, meta, batch, topk),)                                # [T, H_local, v]
+
+    def opaque_fake(self, hidden, q_nope, q_pe, latent, cos, sin, q_latent, top_k: int):
+        return (q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim),)
 
     def _decode(self, q_nope, q_pe, meta, topk: torch.Tensor | None) -> torch.Tensor:
         """Decode (one query per sequence): absorbed MLA over the paged latent cache; with DSA only

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from shardserve.workers.checkpoint import Checkpoint, CheckpointError
-from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.linear import ColumnParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
@@ -35,7 +34,6 @@ from shardserve.workers.models.deepseek_v32 import (DeepseekDecoderLayer, Deepse
 from shardserve.workers.models.dsa_indexer import DSAIndexer
 from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
-from shardserve.workers.models.paged_batch import PagedBatch
 
 
 def num_mtp_layers(config) -> int:
@@ -90,11 +88,11 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         self.shared_head = SharedHead(config, dtype)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
-                    batch: PagedBatch, top_k: int | None) -> torch.Tensor:
+                    top_k: int | None) -> torch.Tensor:
         """``input_ids [T]`` (token ``t+1``), ``positions [T]`` (``t``), ``prev_hidden [T, hidden]``
         (``h_t``) -> block output ``o_t [T, hidden]`` (before ``shared_head.norm``)."""
         fused = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)), dim=-1))
-        out, residual, _ = self(positions, fused, None, batch, None, top_k)
+        out, residual = self(positions, fused, None, top_k)
         return out + residual
 
 
@@ -147,9 +145,7 @@ class DeepseekMTPModel(nn.Module):
         return [self.mtp.self_attn]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata()
-        batch = PagedBatch.build(meta, self.mtp.self_attn.latent_cache.shape[1])
-        return self.mtp.mtp_forward(input_ids, positions, prev_hidden, batch, self.top_k)
+        return self.mtp.mtp_forward(input_ids, positions, prev_hidden, self.top_k)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp.shared_head(hidden)

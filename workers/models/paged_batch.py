@@ -50,6 +50,15 @@ class PagedBatch:
     _groups: dict = field(default_factory=dict)
 
     @classmethod
+    def of_step(cls, meta: AttentionMetadata, block_size: int) -> PagedBatch:
+        """:meth:`build`, once per step: kept in ``meta.step_cache`` for the step's other layers."""
+        key = ("paged_batch", block_size)
+        batch = meta.step_cache.get(key)
+        if batch is None:
+            batch = meta.step_cache[key] = cls.build(meta, block_size)
+        return batch
+
+    @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> PagedBatch:
         """The layout of the step described by ``meta`` over caches of ``block_size`` tokens per block.
 
