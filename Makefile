@@ -11,7 +11,7 @@ EXTRAS ?= test          # optional dependencies of pyproject.toml to install (co
 # exact versions (pip constraints) of every package; the GPU image uses requirements-gpu.lock
 LOCK ?= requirements.lock
 
-.PHONY: install run test test-fast bench proto lock
+.PHONY: install run test test-all test-fast bench proto lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,7 +32,12 @@ lock:
 run: install
 	$(VENV)/bin/shardserve serve --tensor-parallel-size 2 $(RUN_ARGS)
 
+# Everything but the `extended` tests (minutes each, partly covered by faster ones): what CI runs, < 25 min.
 test: install
+	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+
+# Every test, the extended ones too (cold Inductor compiles of every family, the whole gpu_check dry run).
+test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The fast subset (no real model, no Ray cluster): under 3 minutes on 2 cores.

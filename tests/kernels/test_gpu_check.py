@@ -55,6 +55,7 @@ def status(rows: dict, prefix: str) -> list[str]:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.extended   # ~5 min: every section's kernels, also checked one by one in tests/kernels
 @pytest.mark.timeout(1500)
 def test_gpu_check_dry_run_passes_every_section():
     code, rows, output = run_check("--skip", "smollm2")

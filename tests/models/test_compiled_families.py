@@ -24,7 +24,7 @@ SPLITS = {"llama": [2.0, 1.0], "deepseek_v3": [1.0, 3.0], "deepseek_v32": [3.0, 
           "qwen3_next": [3.0, 1.0]}
 TIMEOUT_S = 1200   # a cold Inductor build of one family took ~10 min on a loaded 2-core machine
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 300)]   # over the suite's 600 s default
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(TIMEOUT_S + 300)]   # over the suite's 600 s default
 
 
 @pytest.fixture(scope="module")
