@@ -44,7 +44,7 @@ PARAMS = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                          repetition_penalty=1.2, logit_bias={28: 5.0}, min_tokens=6)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.extended), 2])   # TP=2 also shares placeholders
 def test_async_scheduling_matches_the_single_process_engine(ray_cluster, replicas, smollm2_files, smollm2_llm, tp):
     """6 KV blocks of 16 tokens hold a fraction of the 8 requests at once: requests are preempted
     and recomputed, some while a step that samples for them is in flight."""

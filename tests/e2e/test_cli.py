@@ -106,6 +106,7 @@ def test_a_model_that_does_not_fit_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.extended   # TP equality is checked on the cluster in test_cluster_tp
 def test_generate_tensor_parallel_equals_one_rank(tmp_path):
     """``generate -tp 2`` (a local Ray cluster, two shard workers, shared-memory all-reduce) prints
     the greedy completion of the in-process run."""

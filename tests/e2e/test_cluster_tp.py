@@ -33,7 +33,9 @@ def reference(smollm2_llm):
     return ids, logits, [d.token_ids for d in done]
 
 
-@pytest.mark.parametrize("tp,split,dispatch", [(1, None, "calls"), (2, None, "calls"), (2, [1.0, 2.0], "compiled")],
+@pytest.mark.parametrize("tp,split,dispatch", [pytest.param(1, None, "calls", marks=pytest.mark.extended),
+                                               pytest.param(2, None, "calls", marks=pytest.mark.extended),
+                                               (2, [1.0, 2.0], "compiled")],
                          ids=["tp1", "tp2-uneven", "tp2-split-1,2-compiled"])
 def test_tensor_parallel_matches_single_process(ray_cluster, replicas, smollm2_files, reference,
                                                  tp, split, dispatch):

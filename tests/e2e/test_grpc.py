@@ -130,7 +130,7 @@ def test_cancelled_stream_frees_its_blocks(server):
     ({"text": "hi", "sampling": pb.SamplingParams(stop=list("abcde"))}, "at most 4 stop strings"),
     ({"token_ids": pb.TokenIds(ids=[42] * (MAX_MODEL_LEN + 10))}, f"context length is {MAX_MODEL_LEN}"),
     ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=MAX_MODEL_LEN)}, "max_tokens asks for 512 more"),
-    ({"chat": pb.Chat()}, "messages must be a non-empty list"),
+    ({"chat": pb.Chat()}, "'messages' must be a non-empty list"),
     ({"text": "hi", "sampling": pb.SamplingParams(structured_outputs=pb.StructuredOutputs(json='{"type": "objekt"}'))},
      'structured_outputs: the JSON schema does not compile: Unsupported type "objekt"'),
     ({"text": "hi", "sampling": pb.SamplingParams(structured_outputs=pb.StructuredOutputs())},

@@ -31,7 +31,7 @@ from shardserve.cluster.engine.request import SamplingParams
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]   # 3 Ray nodes, ~6 min: make test-all
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"

@@ -87,6 +87,7 @@ def test_every_readme_command_line_parses(smollm2_files):
         parser.parse_args(bash_argv(line))   # argparse exits (fails the test) on an unknown flag or bad value
 
 
+@pytest.mark.extended   # five CLI runs, one on a Ray cluster: ~3 min (the lines are parsed in make test)
 def test_readme_generate_lines_run_as_written(wheel_env, smollm2_files):
     """Each ``generate`` line whose placeholder can be filled (``path/to/model.gguf``: the SmolLM2
     GGUF) and that needs no GPU runs through bash with the wheel's ``shardserve`` (the ``-tp 2`` line

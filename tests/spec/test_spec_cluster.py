@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("arch,k,policy,split,dispatch", [
-    ("deepseek_v32", 1, "fixed", [3.0, 1.0], "calls"),
-    ("glm_moe_dsa", 2, "fixed", None, "compiled"),
+    pytest.param("deepseek_v32", 1, "fixed", [3.0, 1.0], "calls", marks=pytest.mark.extended),
+    pytest.param("glm_moe_dsa", 2, "fixed", None, "compiled", marks=pytest.mark.extended),
     ("deepseek_v32", 3, "adaptive", None, "calls"),
 ], ids=["v32-k1-split3,1", "glm-k2-compiled", "v32-k3-adaptive"])
 def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint, arch, k, policy, split, dispatch):

@@ -138,7 +138,7 @@ def test_second_start_up_reads_the_compile_cache(engines, llama):
     path, _, cache = llama
     env = dict(os.environ, SHARDSERVE_CACHE=str(cache))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-m", "shardserve.cluster.cli", "generate", str(path), "--prompt", "w003 w004",
+    out = subprocess.run([sys.executable, "-m", "shardserve.cluster.cli", "generate", "--model", str(path), "--prompt", "w003 w004",
                           "--max-tokens", "4", "--temperature", "0", "--dtype", "float32", "--compile", "on",
                           "--kv-cache-gib", "0.01"],
                          capture_output=True, text=True, timeout=600, env=env)
