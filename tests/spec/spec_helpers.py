@@ -74,6 +74,21 @@ def install_oracle(llm: LLM, truth: dict[tuple, list[int]], wrong=lambda index: 
     return oracle
 
 
+
+def record_preemptions(llm: LLM) -> list:
+    """Wraps the engine's scheduler: the returned list fills with every step's preempted requests."""
+    preempted = []
+    schedule = llm.core.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    llm.core.scheduler.schedule = spy
+    return preempted
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 

@@ -15,7 +15,7 @@ import pytest
 
 from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.engine.request import SamplingParams, StructuredOutputs
-from spec_helpers import greedy, install_oracle, make_llm, prompts
+from spec_helpers import greedy, install_oracle, make_llm, prompts, record_preemptions
 from tiny_checkpoints import tiny_token_text
 
 REGEX = "(w01[0-9]|w02[0-9]|w1[0-2][0-9])+w05[0-9]"   # several tokens, then one that ends it
@@ -96,15 +96,7 @@ def test_oracle_drafts_partly_right_and_preemption(mtp_checkpoint, plain):
     truth = {tuple(p): ids + [EOS] * 8 for p, ids in zip(batch_prompts(), expected)}
     llm = make_llm(mtp_checkpoint(arch).path, 3, "adaptive", num_blocks=9)
     install_oracle(llm, truth, wrong=lambda index: index % 3 == 1)
-    preempted = []
-    schedule = llm.core.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        preempted.extend(batch.preempted)
-        return batch
-
-    llm.core.scheduler.schedule = spy
+    preempted = record_preemptions(llm)
     done = llm.generate(batch_prompts(), batch_params())
     assert [d.token_ids for d in done] == expected
     stats = llm.core.speculator.stats
