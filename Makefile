@@ -32,7 +32,7 @@ lock:
 run: install
 	$(VENV)/bin/shardserve serve --tensor-parallel-size 2 $(RUN_ARGS)
 
-# Everything but the `extended` tests (minutes each, partly covered by faster ones): what CI runs, < 25 min.
+# Everything but the `extended` tests (minutes each, partly covered by faster ones): what CI runs.
 test: install
 	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
 
