@@ -40,7 +40,7 @@ test: install
 test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The fast subset (no real model, no Ray cluster): under 3 minutes on 2 cores.
+# The fast subset (no real model, no Ray cluster): about 7 minutes on a 2-core machine without AVX-512.
 test-fast: install
 	$(PY) -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
