@@ -26,6 +26,7 @@ from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
 from shardserve.workers.compilation import compile_stats, use_compile  # noqa: E402
 
+THREADS = 1
 PROMPTS = [[0, 5, 9, 17, 33, 2], [0, 44], [0] + list(range(3, 40)), [0, 7, 7, 7, 8]]
 
 
@@ -39,11 +40,15 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(llama):
-    """The eager and the compiled single-process engine on the tiny Llama (float32)."""
+    """The eager and the compiled single-process engine on the tiny Llama (float32), built on
+    ``THREADS`` threads: Inductor's C++ kernels specialize on the thread count, which is part of
+    the cache key, so every build in this module (and the second process) uses the same count."""
     path, _, cache = llama
     old = {name: os.environ.get(name) for name in ("SHARDSERVE_CACHE", "TORCHINDUCTOR_CACHE_DIR")}
+    threads = torch.get_num_threads()
     os.environ["SHARDSERVE_CACHE"] = str(cache)
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    torch.set_num_threads(THREADS)
     torch._dynamo.reset()
     try:
         args = dict(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8)
@@ -52,6 +57,7 @@ def engines(llama):
         compiled = LLM(EngineArgs(**args, compile="on"), progress=False)
         yield eager, compiled, before
     finally:
+        torch.set_num_threads(threads)
         for name, value in old.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -136,7 +142,7 @@ def test_second_build_loads_every_kernel_from_the_disk_cache(engines, llama, cap
 def test_second_start_up_reads_the_compile_cache(engines, llama):
     """The same across processes: a second ``generate`` start-up logs no kernel build."""
     path, _, cache = llama
-    env = dict(os.environ, SHARDSERVE_CACHE=str(cache))
+    env = dict(os.environ, SHARDSERVE_CACHE=str(cache), OMP_NUM_THREADS=str(THREADS))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-m", "shardserve.cluster.cli", "generate", "--model", str(path), "--prompt", "w003 w004",
                           "--max-tokens", "4", "--temperature", "0", "--dtype", "float32", "--compile", "on",
