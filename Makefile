@@ -11,7 +11,7 @@ EXTRAS ?= test          # optional dependencies of pyproject.toml to install (co
 # exact versions (pip constraints) of every package; the GPU image uses requirements-gpu.lock
 LOCK ?= requirements.lock
 
-.PHONY: install run test test-fast bench proto lock
+.PHONY: install run test test-all test-fast bench proto lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,10 +32,15 @@ lock:
 run: install
 	$(VENV)/bin/shardserve serve --tensor-parallel-size 2 $(RUN_ARGS)
 
+# Everything but the `extended` tests (minutes each, partly covered by faster ones): what CI runs.
 test: install
+	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+
+# Every test, the extended ones too (cold Inductor compiles of every family, the whole gpu_check dry run).
+test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The fast subset (no real model, no Ray cluster): under 3 minutes on 2 cores.
+# The fast subset (no real model, no Ray cluster): about 7 minutes on a 2-core machine without AVX-512.
 test-fast: install
 	$(PY) -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
@@ -43,9 +48,11 @@ bench: install
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_dsa.py
+	$(PY) benchmarks/bench_long_context.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_qwen3_next.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/packed_accuracy.py
 	$(PY) benchmarks/profile_decode.py
 	$(PY) benchmarks/bench_serving.py

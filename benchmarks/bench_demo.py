@@ -10,11 +10,13 @@ indexer's selections the fp8 indexer (``--indexer-cache-dtype fp8``) keeps, then
 2. MTP speculative decoding: acceptance rate per draft position and mean acceptance length
    (tokens per verifying sequence-step, accepted drafts + 1) for k = 1, 2, 3, greedy and at
    temperature 0.8, 8 validation prompts of 64 tokens, 128 new tokens each.
-3. Decode tokens/s of the single-process engine without (k = 0) and with speculation, at batch
-   1 and 8 (greedy, ``benchmarks/bench_speculative.py``'s timing: decode time only, best of 3).
+3. Tokens/s of the single-process engine without (k = 0) and with speculation (k = 1..3 fixed, and
+   the adaptive policy with k <= 3), at batch 1, 8 and 32 (greedy, 64 new tokens each,
+   ``benchmarks/bench_speculative.py``'s timing: every configuration interleaved in this process,
+   median of ``--repeats``; wall clock of the whole ``generate`` and decode-only).
 
 Numbers on a machine other processes load are noisy; compare ratios within one run.
-Not a test: ``python benchmarks/bench_demo.py [--model PATH]``.
+Not a test: ``python benchmarks/bench_demo.py [--model PATH] [--sections speed]``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "models"), str(ROOT / "tests" / "spec")]
 
-from bench_speculative import run as decode_run  # noqa: E402
+from bench_speculative import measure, print_table  # noqa: E402
 from plan_driver import PlanDriver, make_runner, recorded_indexer_calls  # noqa: E402
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
@@ -71,7 +73,7 @@ def perplexity_table(path: Path, validation: torch.Tensor, contexts: list[int], 
 def acceptance(path: Path, prompts: list[list[int]], k: int, temperature: float, new_tokens: int) -> tuple:
     """``(mean acceptance length, acceptance rate per position)`` of one batched generation."""
     llm = LLM(EngineArgs(model=str(path), block_size=BLOCK_SIZE, num_blocks=len(prompts) * 16 + 16,
-                         speculative_tokens=k), progress=False)
+                         speculative_tokens=k, speculative_policy="fixed"), progress=False)
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     llm.generate(prompts, params if temperature else params[0])
@@ -89,16 +91,11 @@ def acceptance_table(path: Path, prompts: list[list[int]], new_tokens: int) -> N
             print(f"{name:>8} | {k:>2} | {mean:>13.3f} | " + "  ".join(f"{r:.3f}" for r in rates), flush=True)
 
 
-def speed_table(path: Path, prompts: list[list[int]], new_tokens: int) -> None:
-    print(f"\nDecode tokens/s through shardserve (greedy, {new_tokens} new tokens per request)")
-    print(f"{'batch':>5} | {'k':>2} | {'decode tok/s':>12} | {'speedup':>7} | {'tok/fwd/seq':>11} | same output")
-    for batch in (1, 8):
-        base = None
-        for k in (0, 1, 2, 3):
-            row = decode_run(path, k, prompts[:batch], new_tokens, num_blocks=batch * 16 + 16)
-            base = base or row
-            print(f"{batch:>5} | {k:>2} | {row['decode_tok_s']:>12.1f} | {row['decode_tok_s'] / base['decode_tok_s']:>6.2f}x"
-                  f" | {row['tokens_per_forward']:>11.2f} | {row['tokens'] == base['tokens']}", flush=True)
+def speed_table(path: Path, prompts: list[list[int]], new_tokens: int, batches: list[int], repeats: int) -> None:
+    for batch in batches:
+        rows = measure(path, prompts[:batch], new_tokens, repeats)
+        print_table(f"Tokens/s through shardserve, batch {batch}, {len(prompts[0])}-token prompts, {new_tokens} new "
+                    f"tokens each (greedy), median of {repeats}", rows)
 
 
 @torch.inference_mode()
@@ -167,7 +164,12 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=default_data_path(), help="tinyshakespeare.txt")
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--max-windows", type=int, default=16, help="validation windows per context")
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (acceptance table)")
+    parser.add_argument("--speed-tokens", type=int, default=64, help="new tokens per prompt (speed table)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes of the speed table")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of the speed table")
+    parser.add_argument("--sections", nargs="+", default=["parity", "fp8", "perplexity", "acceptance", "speed"],
+                        choices=["parity", "fp8", "perplexity", "acceptance", "speed"])
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,13 +180,18 @@ def main() -> None:
     _, validation = split_tokens(encode_corpus(tokenizer, args.data))
     started = time.perf_counter()
     print(f"{files.name} ({files.path}); validation: {validation.numel()} tokens")
-    transformers_parity(files.path, [validation[i * 4096:i * 4096 + 512].tolist() for i in range(2)])
-    for top_k in (64, 256):
-        fp8_agreement(files.path, validation[:2048].tolist(), top_k)
-    perplexity_table(files.path, validation, args.contexts, args.max_windows)
-    prompts = [validation[i * 512:i * 512 + 64].tolist() for i in range(8)]
-    acceptance_table(files.path, prompts, args.new_tokens)
-    speed_table(files.path, prompts, args.new_tokens)
+    if "parity" in args.sections:
+        transformers_parity(files.path, [validation[i * 4096:i * 4096 + 512].tolist() for i in range(2)])
+    if "fp8" in args.sections:
+        for top_k in (64, 256):
+            fp8_agreement(files.path, validation[:2048].tolist(), top_k)
+    if "perplexity" in args.sections:
+        perplexity_table(files.path, validation, args.contexts, args.max_windows)
+    prompts = [validation[i * 512:i * 512 + 64].tolist() for i in range(max(8, *args.batches))]
+    if "acceptance" in args.sections:
+        acceptance_table(files.path, prompts[:8], args.new_tokens)
+    if "speed" in args.sections:
+        speed_table(files.path, prompts, args.speed_tokens, args.batches, args.repeats)
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 

@@ -5,7 +5,8 @@ On a machine with few cores every process that burns CPU while rank 0 computes a
 takes cores away from the rank's matmul threads, so the time per output token grows with the
 CPU the other processes spend. This benchmark starts each server (``shardserve serve`` at TP=1
 and TP=2, then ``llama-server``; helpers from ``bench_serving.py``), sends ``--num-requests``
-streaming completions of ``--max-tokens`` tokens one after the other, and prints, per process of
+streaming completions of ``--max-tokens`` tokens one after the other (``--concurrency C``: from C
+clients at once, where batching across requests shows), and prints, per process of
 the server's tree (Ray actors by name), the user + system CPU it used divided by the tokens
 generated (ms/token; from ``/proc/PID/stat``), beside the wall time per token. Background work
 (Ray's GCS, dashboard, Serve controller) is included: it is CPU the ranks do not get.
@@ -45,16 +46,16 @@ def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     return {pid: got for pid in [root, *bs.descendants(root)] if (got := cpu_seconds(pid))}
 
 
-def measure(server: bs.Server, num_requests: int, max_tokens: int) -> None:
+def measure(server: bs.Server, num_requests: int, max_tokens: int, concurrency: int = 1) -> None:
     asyncio.run(bs.run_load(server.base_url, server.name, 1, 2, max_tokens))   # warm-up
     before, start = tree_cpu(server.proc.pid), time.monotonic()
-    result = asyncio.run(bs.run_load(server.base_url, server.name, 1, num_requests, max_tokens))
+    result = asyncio.run(bs.run_load(server.base_url, server.name, concurrency, num_requests, max_tokens))
     after, wall = tree_cpu(server.proc.pid), time.monotonic() - start
     tokens = max(1, result.output_tokens)
     used: dict[str, float] = {}
     for pid, (name, seconds) in after.items():
         used[name] = used.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
-    print(f"\n{server.name}: {tokens} tokens, wall {1000 * wall / tokens:.2f} ms/token, "
+    print(f"\n{server.name}, {concurrency} client(s): {tokens} tokens, wall {1000 * wall / tokens:.2f} ms/token, "
           f"TPOT p50 {1000 * bs.percentile(result.tpot_s, 50):.2f} ms, "
           f"CPU {1000 * sum(used.values()) / tokens:.2f} ms/token in all")
     for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
@@ -66,6 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or known model name")
     parser.add_argument("--num-requests", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, default=1, help="clients sending at once (default 1)")
+    parser.add_argument("--compile", default="auto", choices=["off", "auto", "on"], help="`shardserve serve --compile`")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
     parser.add_argument("--shardserve-args", default="", help="extra `shardserve serve` flags")
@@ -78,23 +81,23 @@ def main() -> None:
 
     gguf = resolve_model(args.gguf).path
     servers = args.servers.split(",")
-    print(f"{gguf.name}: 1 client, {args.num_requests} streamed completions of {args.max_tokens} tokens, "
+    print(f"{gguf.name}: {args.concurrency} client(s), {args.num_requests} streamed completions of {args.max_tokens} tokens, "
           f"{os.cpu_count()} CPUs (noisy on a shared machine)")
     dispatch = dict(zip((1, 2), args.dispatch.split(",")))
     for tp in (1, 2):   # one server at a time: each has the machine to itself
         if f"tp{tp}" in servers:
-            extra = ["--dispatch", dispatch[tp], *args.shardserve_args.split()]
+            extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *args.shardserve_args.split()]
             _run(bs.shardserve_server(gguf, tp, bs.free_port(), Path(args.log_dir) / f"cpu_per_token_tp{tp}.log",
                                       extra, 0.25), args)
     if "llama" in servers:
         _run(bs.llama_server(llama_server_path(), gguf, bs.free_port(), Path(args.log_dir) / "cpu_per_token_llama.log",
-                             1, 4096), args)
+                             max(1, args.concurrency), 4096), args)
 
 
 def _run(server: bs.Server, args) -> None:
     try:
         server.wait_ready(900)
-        measure(server, args.num_requests, args.max_tokens)
+        measure(server, args.num_requests, args.max_tokens, args.concurrency)
     finally:
         server.stop()
 

@@ -1,21 +1,24 @@
-"""Every Triton kernel in ``kernels/`` against its torch reference on one CUDA GPU, timed: the
-kernel part of ``benchmarks/gpu_check.sh`` (:func:`run_kernel_checks`).
+"""Every Triton kernel in ``kernels/`` against its torch reference on one CUDA GPU: the kernel
+section of ``benchmarks/gpu_check.sh``.
 
-For each case it prints the max absolute error, the error relative to the reference's largest
-magnitude, pass/fail, the Triton and torch times, and achieved GB/s (memory-bound ops: minimal bytes
-read + written) or TFLOP/s (GEMM-like ops). bf16 cases use serving-sized shapes; fp32 cases are small
-and check correctness only. ``gpu_check.sh --cpu-dry-run`` runs the same cases on small shapes under
-the Triton interpreter.
+Each case is two checks: the kernel == its torch reference (max absolute error within the dtype's
+tolerance, relative to the reference's largest magnitude), and the kernel captured in a CUDA graph
+and replayed == its eager run (on CPU the stand-in: the launcher runs under
+``workers/sync_guard.py``'s guard, which fails where a capture would). bf16 cases at serving shapes
+are also timed: Triton and torch times, achieved GB/s (memory-bound ops: minimal bytes read +
+written) or TFLOP/s (GEMM-like ops), and the fraction of the GPU's HBM bandwidth the kernel reaches
+(minimal bytes / time / spec bandwidth): the number that says which kernel to fix first. fp32
+cases are small and check correctness only. ``--cpu-dry-run``: small shapes under the interpreter.
 """
 
 from __future__ import annotations
 
-import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from gpu_check_core import section
 
 BF16, FP32 = torch.bfloat16, torch.float32
 DEVICE = "cuda"  # "cpu" only for the dry run under TRITON_INTERPRET=1
@@ -34,6 +37,11 @@ class Case:
     unit: str = "GB/s"              # "GB/s" or "TFLOP/s"
     work: float = 0.0               # bytes or flops per call
     tol_scale: float = 1.0          # widen the dtype tolerance (long bf16 reductions)
+    bytes: float = 0.0              # minimal bytes read + written per call (default: ``work`` of a GB/s case)
+
+    @property
+    def min_bytes(self) -> float:
+        return self.bytes or (self.work if self.unit == "GB/s" else 0.0)
 
 
 def _paged(seq_lens: list[int], block_size: int, row_shape: tuple[int, ...], dtype, num_caches: int = 1):
@@ -155,6 +163,53 @@ def attention_cases(dtype, small: bool) -> list[Case]:
                       lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
                       lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, topk_indices=topk_idx),
                       work=batch * topk * (rank + rope) * size))
+    cases += long_prefill_cases(dtype, small)
+    return cases
+
+
+def _kernels(mode: str, fn):
+    """Run ``fn()`` with ``SHARDSERVE_KERNELS=mode`` (ops that dispatch inside, e.g. the expanded prefill)."""
+    import os
+
+    saved = os.environ.get("SHARDSERVE_KERNELS")
+    os.environ["SHARDSERVE_KERNELS"] = mode
+    try:
+        return fn()
+    finally:
+        os.environ.pop("SHARDSERVE_KERNELS") if saved is None else os.environ.__setitem__("SHARDSERVE_KERNELS", saved)
+
+
+def long_prefill_cases(dtype, small: bool) -> list[Case]:
+    """Issue 25's prefill: DSA's sparse prefill (a 2,048-token chunk, each token over its top-k) and
+    dense MLA expanded per key chunk (DeepSeek-V3.2 ranks, 16 heads per rank at TP 8)."""
+    from shardserve.kernels.mla_attention import mla_attention_ref
+    from shardserve.kernels.mla_attention_triton import mla_attention_triton
+    from shardserve.kernels.mla_prefill import mla_prefill_dense
+
+    q_len, ctx, heads, rank, rope, nope, v, topk = ((6, 40, 3, 64, 16, 32, 32, 8) if small
+                                                     else (2048, 8192, 16, 512, 64, 128, 128, 2048))
+    table, lens, (cache,) = _paged([ctx], 64, (rank + rope,), dtype)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+    q_lat = torch.randn(q_len, heads, rank, dtype=dtype, device=DEVICE)
+    q_pe = torch.randn(q_len, heads, rope, dtype=dtype, device=DEVICE)
+    scale = (nope + rope) ** -0.5
+    positions = torch.arange(ctx - q_len, ctx, device=DEVICE)
+    topk_idx = torch.stack([torch.randperm(int(p) + 1, device=DEVICE)[:topk] for p in positions])
+    topk_idx = torch.nn.functional.pad(topk_idx, (0, topk - topk_idx.shape[1]), value=-1).to(torch.int32)
+    args = (q_lat, q_pe, cache, table, lens, scale, qsl, topk_idx, ctx)
+    cases = [Case(f"mla sparse prefill q{q_len} ctx{ctx} topk{topk} H{heads}", dtype,
+                  lambda: mla_attention_triton(*args), lambda: mla_attention_ref(*args), "TFLOP/s",
+                  4 * q_len * heads * topk * (rank + rope))]
+    q_nope = torch.randn(q_len, heads, nope, dtype=dtype, device=DEVICE)
+    w_kv = (torch.randn(heads, nope + v, rank, device=DEVICE) * rank ** -0.5).to(dtype)
+
+    def expanded():
+        return mla_prefill_dense(q_nope, q_pe, cache, table, lens, qsl, w_kv, scale,
+                                 query_start_host=[0, q_len], seq_lens_host=[ctx])
+
+    flops = 2 * ctx * rank * heads * (nope + v) + 2 * q_len * heads * (ctx - q_len / 2) * (nope + rope + v)
+    cases.append(Case(f"mla expanded prefill q{q_len} ctx{ctx} H{heads}", dtype, lambda: _kernels("triton", expanded),
+                      lambda: _kernels("torch", expanded), "TFLOP/s", flops, tol_scale=2.0))
     return cases
 
 
@@ -301,45 +356,144 @@ def recurrent_cases(dtype, small: bool) -> list[Case]:
     return cases
 
 
-def check(case: Case, bench: bool) -> bool:
-    """Run, compare, time and print one case; True when it matches."""
-    from triton.testing import do_bench
+def decode_cases(dtype, small: bool) -> list[Case]:
+    """Decode-sized GEMMs at DeepSeek-V3.2 shapes of one TP=8 rank: the FP8 linear layers (o_proj,
+    q_b_proj, kv_a_proj) at T = 1 / 16 / 64 rows and the routed experts (32 local of 256, top-8,
+    hidden 7168, I 2048) at T = 1 / 16 / 64 tokens, FP8 and bf16. Memory-bound: their HBM fraction
+    is the number to read."""
+    from shardserve.kernels.fp8_linear import fp8_block_linear_ref
+    from shardserve.kernels.fp8_linear_triton import fp8_block_linear_triton
+    from shardserve.kernels.fused_moe import dequantize_fp8_experts, fused_moe_ref
+    from shardserve.kernels.fused_moe_triton import fused_moe_triton
 
-    out = case.run_triton().float()
-    ref = case.run_ref().float()
+    block = (32, 32) if small else (128, 128)
+    linears = [(96, 160)] if small else [(7168, 2048), (3072, 1536), (576, 7168)]
+    rows = (1, 5) if small else (1, 16, 64)
+    cases = []
+    for out_features, in_features in linears:
+        grid = (-(-out_features // block[0]), -(-in_features // block[1]))
+        weight = (torch.randn(out_features, in_features, device=DEVICE) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(grid, device=DEVICE) * 0.01 + 1e-3
+        for num_rows in rows:
+            x = torch.randn(num_rows, in_features, dtype=dtype, device=DEVICE)
+            nbytes = out_features * in_features + num_rows * (in_features + out_features) * dtype.itemsize
+            cases.append(Case(f"fp8_linear decode T{num_rows} N{out_features} K{in_features}", dtype,
+                              lambda x=x, w=weight, s=scale: fp8_block_linear_triton(x, w, s, block),
+                              lambda x=x, w=weight, s=scale: fp8_block_linear_ref(x, w, s, block), work=nbytes,
+                              tol_scale=2.0))
+    experts, global_experts, hidden, inter, top_k = (4, 8, 96, 64, 2) if small else (32, 256, 7168, 2048, 8)
+    values = {name: (torch.randn(experts, r, c, device=DEVICE) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for name, r, c in (("w13", 2 * inter, hidden), ("w2", hidden, inter))}
+    scales = {name: (torch.rand(experts, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]), device=DEVICE) + 0.5)
+              * w.shape[2] ** -0.5 / 100 for name, w in values.items()}
+    exact = {name: dequantize_fp8_experts(values[name], scales[name], block, torch.float32) for name in values}
+    dense = {name: w.to(dtype) for name, w in exact.items()}
+    for num_tokens in rows:
+        x = torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE)
+        ids = torch.rand(num_tokens, global_experts, device=DEVICE).topk(top_k, dim=-1).indices   # rank 0: ids < 32
+        ids = torch.where(ids < experts, ids, -1)
+        weights = torch.rand(num_tokens, top_k, device=DEVICE).softmax(-1)
+        used = max(1, len(set(ids[ids >= 0].tolist())))
+        pairs = int((ids >= 0).sum())
+        for fp8 in (True, False):
+            per_expert = 3 * hidden * inter * (1 if fp8 else dtype.itemsize)
+            nbytes = used * per_expert + 2 * num_tokens * hidden * dtype.itemsize
+            args = ((x, values["w13"], values["w2"], weights, ids, scales["w13"], scales["w2"], block) if fp8
+                    else (x, dense["w13"], dense["w2"], weights, ids))
+            ref_args = (x.float(), exact["w13"], exact["w2"], weights, ids) if fp8 else args
+            cases.append(Case(f"{'fp8 ' if fp8 else ''}fused_moe decode T{num_tokens} E{experts}/{global_experts} "
+                              f"k{top_k} D{hidden} I{inter} ({pairs} local pairs)", dtype,
+                              lambda a=args: fused_moe_triton(*a), lambda a=ref_args: fused_moe_ref(*a),
+                              "TFLOP/s", 2 * max(pairs, 1) * 3 * hidden * inter, tol_scale=2.0, bytes=nbytes))
+    return cases
+
+
+def _compare(case: Case, out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    out, ref = out.float(), ref.float()
     finite = torch.isfinite(ref)
-    same_inf = torch.equal(finite, torch.isfinite(out))
-    err = (out[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    same_inf = out.shape == ref.shape and torch.equal(finite, torch.isfinite(out))
+    err = (out[finite] - ref[finite]).abs().max().item() if same_inf and finite.any() else 0.0
     peak = ref[finite].abs().max().item() if finite.any() else 0.0
     atol, rtol = (t * case.tol_scale for t in TOLERANCES[case.dtype])
-    ok = same_inf and out.shape == ref.shape and err <= atol + rtol * peak
-    line = f"{'ok  ' if ok else 'FAIL'} {case.name:<55} {str(case.dtype)[6:]:<8} max_abs {err:9.2e} rel {err / max(peak, 1e-30):9.2e}"
-    if bench:
+    ok = same_inf and err <= atol + rtol * peak
+    return ok, f"max_abs {err:9.2e} rel {err / max(peak, 1e-30):9.2e}" if same_inf else "shape or inf pattern differs"
+
+
+def _captured(case: Case) -> torch.Tensor:
+    """The Triton call captured in a CUDA graph (after a warm-up on a side stream: compilation and
+    autotuning happen there) and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        case.run_triton()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = case.run_triton()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def _eager_under_guard(case: Case) -> tuple[torch.Tensor, Exception | None]:
+    """CPU: the Triton call under the host-sync guard (the stand-in of a capture: the interpreted
+    kernel runs once for both checks); ``(output, the guard's error or None)``."""
+    from shardserve.workers.sync_guard import HostSyncError, no_host_sync
+
+    try:
+        with torch.inference_mode(), no_host_sync(f"kernel {case.name}"):
+            return case.run_triton().float().clone(), None
+    except HostSyncError as exc:
+        return case.run_triton().float().clone(), exc
+
+
+def check(case: Case, bench: bool, report, hbm: float | None) -> None:
+    """Compare, capture and (``bench``) time one case; each in its own attempt."""
+    label = f"kernel: {case.name} {str(case.dtype)[6:]}"
+    eager, guard_error = None, None
+    with report.attempt(label):
+        if DEVICE == "cuda":
+            eager = case.run_triton().float().clone()
+        else:
+            eager, guard_error = _eager_under_guard(case)
+        ok, detail = _compare(case, eager, case.run_ref())
+        report.check(ok, label, detail)
+    with report.attempt(f"{label} captured"):
+        if DEVICE != "cuda":
+            report.check(guard_error is None and eager is not None, f"{label} captured",
+                         f"replay stand-in: {guard_error or 'no host sync in the launcher'}")
+        else:
+            ok, detail = _compare(case, _captured(case), eager if eager is not None else case.run_triton())
+            report.check(ok, f"{label} captured", f"CUDA graph replay == eager: {detail}")
+    if not bench:
+        return
+    with report.attempt(f"{label} timed"):
+        from triton.testing import do_bench
+
         t_ms = do_bench(case.run_triton, warmup=10, rep=50)
         r_ms = do_bench(case.run_ref, warmup=3, rep=30)
         scale = 1e-9 if case.unit == "GB/s" else 1e-12
-        line += (f" | triton {t_ms * 1e3:9.1f} us {case.work * scale / (t_ms * 1e-3):8.1f} {case.unit}"
-                 f" | torch {r_ms * 1e3:9.1f} us {case.work * scale / (r_ms * 1e-3):8.1f} {case.unit}")
-    print(line, flush=True)
-    return ok
+        hbm_frac = f", {100 * case.min_bytes / (t_ms * 1e-3) / hbm:5.1f}% of HBM" if hbm and case.min_bytes else ""
+        report.info(f"{label} timed",
+                    f"triton {t_ms * 1e3:8.1f} us {case.work * scale / (t_ms * 1e-3):8.1f} {case.unit}{hbm_frac}"
+                    f" | torch {r_ms * 1e3:8.1f} us")
 
 
-def run_kernel_checks(interpret: bool = False, quick: bool = False) -> int:
-    """Check (and on CUDA time) every case; returns the number of failures.
+def run_kernel_checks(report, interpret: bool = False, quick: bool = False, hbm: float | None = None) -> None:
+    """Check (and on CUDA time) every case into ``report``.
 
     Args:
+        report: the gpu_check report (``check`` / ``info`` / ``attempt``).
         interpret: CPU self-test: small fp32 and bf16 shapes under ``TRITON_INTERPRET=1`` (which
             must be set before Triton is first imported), no timing.
         quick: CUDA: the small fp32 checks only (no bf16 serving shapes, no timing).
+        hbm: spec HBM bandwidth (bytes/s) for the fraction printed beside each timing.
     """
     global DEVICE
     DEVICE = "cpu" if interpret else "cuda"
     if not interpret:
         torch.backends.cuda.matmul.allow_tf32 = False  # references in true fp32
         torch.backends.cudnn.allow_tf32 = False
-    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    print(f"kernels: {device_name}, torch {torch.__version__}", flush=True)
-    start, failures = time.time(), 0
     # (dtype, small shapes, timed): fp32 checks tightly on small shapes, bf16 runs serving shapes.
     plans = [(FP32, True, False)]
     if interpret:
@@ -347,22 +501,20 @@ def run_kernel_checks(interpret: bool = False, quick: bool = False) -> int:
     elif not quick:
         plans.append((BF16, False, True))
     for dtype, small, bench in plans:
-        for build in (elementwise_cases, store_cases, attention_cases, indexer_moe_cases, fp8_cases, recurrent_cases):
+        builders = [elementwise_cases, store_cases, attention_cases, long_prefill_cases, indexer_moe_cases, fp8_cases,
+                    recurrent_cases]
+        if not small:   # serving decode shapes (their small versions are the fp8 / fused_moe cases above)
+            builders.append(decode_cases)
+        for build in builders:
             torch.manual_seed(0)
-            try:
+            with report.attempt(f"kernel cases: {build.__name__} {str(dtype)[6:]}"):
                 cases = build(dtype, small)
-            except Exception:  # noqa: BLE001 - report and keep checking the other ops
-                traceback.print_exc()
-                failures += 1
-                continue
-            for case in cases:
-                try:
-                    failures += not check(case, bench)
-                except Exception:  # noqa: BLE001
-                    print(f"FAIL {case.name} {dtype}: exception", flush=True)
-                    traceback.print_exc()
-                    failures += 1
+                for case in cases:
+                    check(case, bench, report, hbm)
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    print(f"kernels: {failures} failure(s) in {time.time() - start:.0f} s", flush=True)
-    return failures
+
+
+@section("kernels", "kernels: every Triton kernel == its reference, captured, timed")
+def kernels(ctx, report) -> None:
+    run_kernel_checks(report, interpret=ctx.dry, quick=ctx.quick, hbm=ctx.hbm_bandwidth())

@@ -1,6 +1,7 @@
 """``shardserve`` command line: ``generate`` (one prompt, this process), ``serve-grpc`` (the gRPC
 API of one replica), ``serve`` (Ray Serve: OpenAI-compatible HTTP + gRPC, TP x DP replicas) and
-``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments).
+``manifest`` (the KubeRay RayService running what ``serve`` would, from the same arguments) and
+``plan`` (each rank's memory, without loading the model: ``cluster/plan_cli.py``).
 
 Every flag's help names its default and unit. Bad arguments are one line on stderr and exit code
 2, found before anything is loaded. ``serve`` and ``serve-grpc`` keep Ray's worker logs out of
@@ -15,7 +16,9 @@ import logging
 import re
 import sys
 
-from shardserve.cluster.config import QUANTIZATION_CHOICES, EngineArgs
+from shardserve.cluster import cli_agents, generate_controls
+from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
+from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
 from shardserve.cluster.frontend.security import refuse_exposed
@@ -63,8 +66,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep the first N positions of each sequence in every DSA top-k (attention sink; "
                              "0 = plain top-k)")
     parser.add_argument("--speculative-tokens", type=int, default=0, choices=range(5), metavar="{0..4}",
-                        help="MTP speculative decoding: draft tokens per sequence and step from the checkpoint's "
-                             "MTP layer (0 = off)")
+                        help="MTP speculative decoding: the most draft tokens per sequence and step from the "
+                             "checkpoint's MTP layer (0 = off)")
+    parser.add_argument("--speculative-policy", choices=list(SPECULATIVE_POLICIES), default="adaptive",
+                        help="adaptive: draft only when, and as deep as, it pays (measured step costs and "
+                             "per-request acceptance); fixed: always --speculative-tokens")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where each rank computes (auto: cuda when the rank has a GPU, else cpu)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -75,6 +81,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                              "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly on CUDA (no captured CUDA graphs)")
+    parser.add_argument("--compile", choices=list(COMPILE_MODES), default="off",
+                        help="torch.compile the forward (auto: where it pays, CPU ranks; on: every device); kernels "
+                             "are built once per model shape and cached under $SHARDSERVE_CACHE")
     parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
                         help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
                              "output row, int4 per group of 32")
@@ -124,9 +133,9 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
                       indexer_cache_dtype=ns.indexer_cache_dtype, dsa_sink=ns.dsa_sink,
-                      speculative_tokens=ns.speculative_tokens,
+                      speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization, compile=ns.compile,
                       recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
 
 
@@ -262,7 +271,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     check_model(args.model)
     refuse_exposed(ns.host, front.requires_key, ns.allow_unauthenticated, "--host")
     stop = _interrupt_event()
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the MTP draft worker
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     if not ns.address:
         group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     check_port_free(ns.host, ns.grpc_port, "--grpc-port")
@@ -312,10 +321,11 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
-        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, device=ns.device, dtype=ns.dtype,
+        dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
+        device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, **serve_args_fields(ns, read_keys),
-        **scaling_args_fields(ns))
+        recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, compile=ns.compile,
+        **serve_args_fields(ns, read_keys), **cli_agents.parser_settings(ns), **scaling_args_fields(ns))
 
 
 def _wait_until_serving(url: str, app_name: str, timeout_s: float) -> dict:
@@ -568,16 +578,24 @@ def _generate(ns: argparse.Namespace) -> int:
     from shardserve.cluster.engine.request import SamplingParams
     from shardserve.workers.model_source import check_model
 
+    from shardserve.cluster.prompt_file import read_prompt
+
     # Everything that can be checked without the model is checked first (loading takes seconds).
-    if not ns.prompt:
-        raise ValueError("--prompt must not be empty")
+    ns.prompt = read_prompt(ns.prompt, ns.prompt_file)   # the agent flags read it too
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
-    params.validate()
+    generate_controls.apply_flags(ns, params).validate()
+    agent = cli_agents.agent_chat(ns)
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
+    output = None
+    if agent is not None:   # tools or parsers: render here, send token ids, print the parsed answer
+        from shardserve.cluster.tokenizer import load_tokenizer
+        from shardserve.workers.model_source import resolve_model
+
+        prompt, output = agent.encode(load_tokenizer(resolve_model(args.model)), params)
     if args.tensor_parallel_size > 1:
         completion = _generate_on_cluster(ns, args, prompt, params)
     else:
@@ -586,7 +604,10 @@ def _generate(ns: argparse.Namespace) -> int:
         (done,) = LLM(args).generate([prompt], params)
         completion = {"text": done.text, "finish_reason": done.finish_reason,
                       "num_prompt_tokens": len(done.prompt_token_ids), "num_output_tokens": len(done.token_ids)}
-    sys.stdout.write(completion["text"] + "\n")
+    if agent is not None:
+        sys.stdout.write(cli_agents.answer_json(completion["text"], output, completion["finish_reason"]) + "\n")
+    else:
+        sys.stdout.write(completion["text"] + "\n")
     logging.getLogger("shardserve").info("finish_reason=%s, %d prompt + %d output tokens", completion["finish_reason"],
                                          completion["num_prompt_tokens"], completion["num_output_tokens"])
     return 0
@@ -600,14 +621,17 @@ def _generate_on_cluster(ns: argparse.Namespace, args: EngineArgs, prompt, param
     from shardserve.cluster.replica.coordinator import launch_coordinator, stop_coordinator
 
     group = _group_config(ns)
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     group.gpus_per_worker = cluster_gpus_per_worker(args.device, group.gpus_per_worker, num_workers, None)
     init_ray(None, 1 + group.cpus_per_worker * num_workers, log_to_driver=False)
     handle = pg = None
     try:
         handle, pg = launch_coordinator(args, group)
         try:
-            ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
+            if prompt and isinstance(prompt, list) and isinstance(prompt[0], int):
+                ids = list(prompt)   # rendered by the caller
+            else:
+                ids = ray.get(handle.encode.remote(chat=prompt) if ns.chat else handle.encode.remote(text=prompt))
             out = ray.get(handle.complete.remote(ids, params))
         except ray.exceptions.RayActorError as exc:   # the coordinator failed to start (e.g. does not fit)
             raise ServeStartError(root_cause(exc)) from None
@@ -644,7 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt in this process and print the text",
                          formatter_class=_HelpFormatter)
     _engine_flags(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt text (required, not empty)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text, not empty (default: none; this or --prompt-file is required)")
+    source.add_argument("--prompt-file", metavar="FILE",
+                        help="read the prompt from FILE, UTF-8, one trailing line break dropped; - = standard input "
+                             "(default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
@@ -657,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
     gen.add_argument("--tensor-split", type=_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
+    generate_controls.add_flags(gen)
+    cli_agents.add_generate_flags(gen)
     gen.set_defaults(func=_generate)
 
     grpc_cmd = sub.add_parser("serve-grpc", help="serve the gRPC API from a tensor-parallel Ray cluster until Ctrl-C",
@@ -685,6 +715,14 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_flags(manifest_cmd)
     _manifest_flags(manifest_cmd)
     manifest_cmd.set_defaults(func=_manifest, host="0.0.0.0")
+
+    from shardserve.cluster.plan_cli import add_plan_flags, run_plan
+
+    plan_cmd = sub.add_parser("plan", help="print what each rank would hold and whether it fits (cluster/plan_cli.py)",
+                              formatter_class=_HelpFormatter)
+    _engine_flags(plan_cmd)
+    add_plan_flags(plan_cmd)
+    plan_cmd.set_defaults(func=lambda ns: run_plan(ns, _engine_args(ns)))
     return parser
 
 
@@ -704,6 +742,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=300.0,
                         help="seconds a replaced replica may take to finish its running requests (size it for "
                              "your longest completion)")
+    cli_agents.add_parser_flags(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")   # cluster/engine/spec_policy.py
 logger = logging.getLogger(__name__)
 
 
@@ -33,7 +35,11 @@ class EngineArgs:
             (DeepSeek-V3.2's e4m3 keys + one power-of-two scale per 128 dims; queries quantized alike).
         dsa_sink: the first N positions of each sequence are always in its queries' DSA top-k
             (attention sink; 0 = plain top-k, equal to transformers).
-        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off).
+        speculative_tokens: MTP draft tokens per decoding sequence and step (1..4; 0 = off): the
+            most the policy drafts.
+        speculative_policy: ``adaptive`` (draft only when, and as deep as, it pays: measured step
+            costs and per-request acceptance, ``cluster/engine/spec_policy.py``) or ``fixed``
+            (always ``speculative_tokens``).
         device: where each rank computes: ``auto`` (``cuda`` when the rank has a GPU, else ``cpu``),
             ``cuda`` or ``cpu`` (``workers/device.py``).
         dtype: weights and activations: ``auto`` (bfloat16 on CUDA; on CPU bfloat16 with packed
@@ -44,6 +50,8 @@ class EngineArgs:
         gpu_memory_utilization: fraction of each GPU a rank may use for weights, activations and
             caches, ``(0, 1]``; the KV cache takes what is left (CPU ranks use ``kv_cache_gib``).
         enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
+        compile: ``off``, ``auto`` (where it was measured to pay: CPU ranks) or ``on``: the forward
+            through ``torch.compile``, kernels cached under ``$SHARDSERVE_CACHE`` (``workers/compilation.py``).
         recovery_timeout: seconds a replica may take to repair a dead shard / draft worker in place
             (new actors in the same bundles; 0 = no in-place repair: the replica fails and Serve
             replaces it).
@@ -65,12 +73,14 @@ class EngineArgs:
     indexer_cache_dtype: str = "auto"
     dsa_sink: int = 0
     speculative_tokens: int = 0
+    speculative_policy: str = "adaptive"
     device: str = "auto"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
     quantization: str = "none"
+    compile: str = "off"
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
@@ -95,6 +105,9 @@ class EngineArgs:
             raise ValueError(f"--indexer-cache-dtype must be 'auto' or 'fp8', got {self.indexer_cache_dtype!r}")
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"--speculative-tokens must be in 0..4 (0 = off), got {self.speculative_tokens}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"--speculative-policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                             f"got {self.speculative_policy!r}")
         if not self.recovery_timeout >= 0:
             raise ValueError(f"--recovery-timeout must be >= 0 seconds (0 = off), got {self.recovery_timeout}")
         if self.device not in DEVICES:
@@ -105,6 +118,8 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")
@@ -119,7 +134,14 @@ class EngineArgs:
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            seed=self.seed, quantization=self.quantization)
+                            seed=self.seed, quantization=self.quantization, compile=self.compile)
+
+    def draft_buffer_sizes(self):
+        """What the buffers rank 0 shares with the MTP draft worker must hold
+        (:class:`workers.draft_buffers.BufferSizes`)."""
+        from shardserve.workers.draft_buffers import BufferSizes
+
+        return BufferSizes(self.max_num_batched_tokens, self.max_num_seqs, self.speculative_tokens)
 
     def check_model_limits(self, hf_config) -> None:
         """Refuse settings the model itself cannot serve (checked once its config is read, before

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore
-from shardserve.cluster.engine.request import Logprob, SamplingParams
+from shardserve.cluster.engine.request import Logprob, SamplingParams, SpecUsage
 from shardserve.cluster.engine.scheduler import SchedulerConfig
+from shardserve.cluster.frontend.structured import GrammarCompiler
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import LocalHolder, ReloadResult, check_replacement, swap_weights
 from shardserve.workers.checkpoint_compat import CheckpointManifest
@@ -27,6 +28,7 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[Logprob]
+    spec_decode: SpecUsage | None = None    # its speculative decoding (speculation on)
 
 
 class LLM:
@@ -37,8 +39,9 @@ class LLM:
         args: engine arguments (``tensor_parallel_size`` must be 1 here).
         progress: show the weight-loading progress bar (stderr).
         drafter: the engine's draft hook: a draft model used instead of the checkpoint's MTP layer
-            (any object with ``propose(DraftBatch) -> DraftResult``, e.g. a test oracle); needs
-            ``args.speculative_tokens``.
+            (any object with ``propose(DraftBatch) -> DraftResult``, e.g. a test oracle, proposing
+            for greedy requests); needs ``args.speculative_tokens``. Without one, :attr:`mtp` is the
+            checkpoint's MTP draft worker (tests may wrap it in :attr:`drafter` afterwards).
     """
 
     def __init__(self, args: EngineArgs, progress: bool = True, drafter=None) -> None:
@@ -51,29 +54,38 @@ class LLM:
         self.hf_config = args.model_config(load_config(self.files))
         args.check_model_limits(self.hf_config)
         self.tokenizer = load_tokenizer(self.files)
-        self.runner = ModelRunner(self.files, self.hf_config, args.runner_config(), progress=progress)
+        if drafter is not None and not args.speculative_tokens:
+            raise ValueError("a drafter needs speculative_tokens >= 1")
+        config, self.drafter, self.mtp = args.runner_config(), drafter, None
+        if args.speculative_tokens and drafter is None:
+            # the MTP draft model, on this thread, loaded first: its caches share the runner's block
+            # ids, and its weights and caches count in the runner's plan (workers/plan.py)
+            from shardserve.workers.draft_worker import DraftWorker
+
+            self.drafter = self.mtp = DraftWorker(inline=True)
+            self.mtp.load_weights(self.files, self.hf_config, args.draft_buffer_sizes(), args.block_size,
+                                  args.dtype, seed=args.seed, device=args.device)
+            config.draft_on_device = True   # its weights and caches in this runner's plan
+        self.runner = ModelRunner(self.files, self.hf_config, config, progress=progress)
         if not self.runner.num_blocks:
             self.runner.allocate_kv_cache(self.runner.max_num_blocks())
         max_len = args.fit_max_model_len(model_context_length(self.hf_config),
                                          self.runner.num_blocks)
-        speculator, self.drafter = None, drafter
-        if drafter is not None and not args.speculative_tokens:
-            raise ValueError("a drafter needs speculative_tokens >= 1")
+        speculator = None
         if args.speculative_tokens:
             from shardserve.cluster.engine.speculative import Speculator
 
-            if self.drafter is None:   # MTP draft model in this process, on the same block ids
-                from shardserve.workers.draft_worker import DraftWorker
-
-                self.drafter = DraftWorker()
-                self.drafter.load(self.files, self.hf_config, args.block_size, self.runner.num_blocks, args.dtype,
-                                  seed=args.seed, device=args.device)
-            speculator = Speculator(self.drafter, args.speculative_tokens)
+            if self.mtp is not None:
+                self.mtp.allocate_caches(self.runner.num_blocks)
+                self.runner.attach_draft_buffers(self.mtp.buffers)
+            speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-            eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-            args.enable_prefix_caching, speculator=speculator, num_state_slots=self.runner.num_state_slots)
+            eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+            num_state_slots=self.runner.num_state_slots,
+            grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.weights_version = 1   # +1 per reload that changed a tensor
 
     def reload_weights(self, model: str | None = None) -> ReloadResult:
@@ -87,7 +99,7 @@ class LLM:
             InvalidCheckpoint: it cannot replace the served weights (nothing was changed).
         """
         started = time.monotonic()
-        owners = [self.runner] + ([self.drafter] if self.drafter is not None else [])
+        owners = [self.runner] + ([self.mtp] if self.mtp is not None else [])
         shapes = {name: shape for owner in owners for name, shape in owner.weight_record.shapes.items()}
         served = CheckpointManifest.from_config(self.files.path, self.hf_config, shapes)
         files, _ = check_replacement(served, model or str(self.files.path))
@@ -116,6 +128,7 @@ class LLM:
                 done.token_ids += out.new_token_ids
                 done.text += out.new_text
                 done.logprobs += out.new_logprobs
+                done.spec_decode = out.spec_decode
                 if out.finished:
                     done.finish_reason = out.finish_reason
         return [results[i] for i in ids]

@@ -160,7 +160,7 @@ def fit(args: ServeArgs, layout: PodLayout) -> Fit:
         LayoutError: the pods cannot hold the replicas, or the GPU settings cannot work.
     """
     _validate(args, layout)
-    workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)
+    workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
     gpu = args.worker_gpus()
     if gpu:
         gpus_per_pod = layout.gpus_per_pod or min(8, math.ceil(workers * gpu))

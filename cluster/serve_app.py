@@ -62,6 +62,7 @@ from ray import serve
 
 from shardserve.cluster.autoscaling import ONGOING_REQUESTS, autoscaling_config, push_interval_env
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.frontend.chat_output import ParserConfig
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.replica_directory import REPLICA_DEPLOYMENT, ServeReplicas
@@ -120,8 +121,8 @@ class ServeArgs:
             (size it for the longest completion you serve); Serve's ``graceful_shutdown_timeout_s``.
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
-            dsa_sink, speculative_tokens, device, dtype, gpu_memory_utilization, enforce_eager,
-            recovery_timeout, quantization: engine settings (see EngineArgs). ``device="cuda"`` with
+            dsa_sink, speculative_tokens, speculative_policy, device, dtype, gpu_memory_utilization, enforce_eager,
+            recovery_timeout, quantization, compile: engine settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
@@ -138,6 +139,8 @@ class ServeArgs:
         request_timeout: seconds a request may take (None: no limit; default 600); past it, 408.
         grpc_tls_cert / grpc_tls_key: PEM files of the replicas' gRPC servers (the same paths on
             every node); the router trusts the certificate when it dials them.
+        tool_call_parser, enable_auto_tool_choice, reasoning_parser: how the router parses chat
+            answers (vLLM's flags; see :class:`cluster.frontend.chat_output.ParserConfig`).
     """
 
     model: str = DEFAULT_MODEL
@@ -177,12 +180,14 @@ class ServeArgs:
     indexer_cache_dtype: str = "auto"
     dsa_sink: int = 0
     speculative_tokens: int = 0
+    speculative_policy: str = "adaptive"
     device: str = "auto"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     recovery_timeout: float = 300.0
     quantization: str = "none"
+    compile: str = "off"
     api_key: str | list[str] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     api_key_sha256: list[str] | None = None
@@ -201,6 +206,9 @@ class ServeArgs:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ServeArgs:
@@ -228,6 +236,7 @@ class ServeArgs:
         front = self.front_config()
         front.validate()
         refuse_exposed(self.grpc_host, front.requires_key, self.allow_unauthenticated, "grpc_host")
+        self.parser_config().validate()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         self._validate_scaling()
@@ -308,10 +317,11 @@ class ServeArgs:
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,
-                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens, device=self.device,
+                          dsa_sink=self.dsa_sink, speculative_tokens=self.speculative_tokens,
+                          speculative_policy=self.speculative_policy, device=self.device,
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                           enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
-                          quantization=self.quantization)
+                          quantization=self.quantization, compile=self.compile)
 
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""
@@ -338,18 +348,20 @@ class ServeArgs:
                                    admin_api_key=[], admin_api_key_file=None,
                                    admin_api_key_sha256=front.admin_key_digests)
 
+    def parser_config(self) -> ParserConfig:
+        return ParserConfig(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+
     def group_config(self) -> GroupConfig:
         return GroupConfig(tensor_parallel_size=self.tensor_parallel_size, cpus_per_worker=self.cpus_per_worker,
                            gpus_per_worker=self.worker_gpus(), strategy=self.placement_strategy,
                            collective=self.cpu_collective, dispatch=self.dispatch, device=self.device)
 
     def replica_bundles(self) -> list[dict]:
-        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank,
-        then one for the MTP draft worker when speculation is on."""
+        """Placement group of one replica: bundle 0 for the replica (coordinator), then one per rank
+        (the MTP draft worker, when speculation is on, shares rank 0's)."""
         gpus = self.worker_gpus()
         worker = {"CPU": self.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        num_workers = self.tensor_parallel_size + (1 if self.speculative_tokens else 0)
-        return [{"CPU": 1.0}] + [dict(worker) for _ in range(num_workers)]
+        return [{"CPU": 1.0}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
 
     def served_names(self) -> list[str]:
         """Names a request's ``model`` may use; the first is reported."""
@@ -528,7 +540,7 @@ class OpenAIRouter:
         self.front = cfg.front_config()
         self.core = RouterCore(cfg.model, cfg.served_names(), ServeReplicas(replicas, replicas.app_name),
                                functools.partial(_load_tokenizer, cfg.model), front=self.front,
-                               policy=cfg.routing_policy())
+                               policy=cfg.routing_policy(), parsers=cfg.parser_config())
         self.core.start()
         self.grpc = None
         try:

@@ -14,9 +14,22 @@ import torch.nn.functional as F
 from shardserve.kernels.dispatch import use_triton
 
 
+# Steps of up to this many tokens (every decode batch the graphs capture) run the pair-wise
+# reference: no host sync, shapes fixed by the step's size. Longer ones (prefill) loop over experts.
+PAIRWISE_MAX_TOKENS = 1024
+# Bytes of gathered expert weights the pair-wise reference holds at once (it runs in chunks of pairs).
+PAIRWISE_CHUNK_BYTES = 64 << 20
+
+
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """Per-expert loop, numerically the same as HF transformers' ``DeepseekV3NaiveMoe``.
+    """Routed experts in torch, numerically HF transformers' ``DeepseekV3NaiveMoe``: each pair's
+    expert output, times its routing weight, is rounded to ``hidden.dtype`` and added to its
+    token's row in ascending expert order.
+
+    Steps of at most :data:`PAIRWISE_MAX_TOKENS` tokens compute each (token, slot) pair against its
+    gathered expert weights (no host sync, no data-dependent shape: CUDA graphs may capture it);
+    longer ones loop over experts and their routed tokens (each expert's weights read once).
 
     Args:
         hidden: ``[T, hidden]``.
@@ -26,9 +39,10 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         topk_ids: ``[T, k]`` int expert ids; ids outside ``[0, E)`` contribute nothing.
 
     Returns:
-        ``[T, hidden]`` in ``hidden.dtype`` (each expert's weighted output is rounded to it and
-        accumulated in it, as HF does).
+        ``[T, hidden]`` in ``hidden.dtype``.
     """
+    if hidden.shape[0] <= PAIRWISE_MAX_TOKENS:
+        return _fused_moe_pairwise(hidden, w13, w2, topk_weights, topk_ids)
     out = torch.zeros_like(hidden)
     for expert in range(w13.shape[0]):
         token_idx, slot = torch.where(topk_ids == expert)
@@ -37,6 +51,34 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         gate, up = F.linear(hidden[token_idx], w13[expert]).chunk(2, dim=-1)
         expert_out = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
+
+
+def _fused_moe_pairwise(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """:func:`fused_moe_ref` pair by pair: ``[T, k]`` pairs gathered against their experts'
+    weights in chunks of at most :data:`PAIRWISE_CHUNK_BYTES`, then summed per token in expert order."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    ids, order = topk_ids.long().sort(dim=-1, stable=True)                        # HF adds experts in id order
+    weights = topk_weights.gather(1, order)
+    valid = (ids >= 0) & (ids < num_experts)
+    ids = torch.where(valid, ids, 0).reshape(-1)                                    # [P] (dropped: weight 0)
+    weights = torch.where(valid, weights, 0).reshape(-1, 1)
+    rows = hidden.repeat_interleave(top_k, dim=0)                                   # [P, hidden], pair p = t * k + j
+    pair_out = torch.empty_like(rows)
+    per_pair = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    chunk = max(1, PAIRWISE_CHUNK_BYTES // per_pair)
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        expert = ids[part]
+        gate_up = torch.bmm(w13[expert], rows[part, :, None]).squeeze(-1)          # [C, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(w2.dtype)
+        pair_out[part] = (torch.bmm(w2[expert], act[:, :, None]).squeeze(-1) * weights[part]).to(hidden.dtype)
+    pair_out = pair_out.view(num_tokens, top_k, -1)
+    out = torch.zeros_like(hidden)
+    for j in range(top_k):                                                          # rounded per add, as HF
+        out = out + pair_out[:, j]
     return out
 
 
@@ -62,7 +104,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     expert = torch.where((expert >= 0) & (expert < num_experts), expert, num_experts)  # E = "not here"
     order = torch.argsort(expert, stable=True)                                        # [P]
     sorted_expert = expert[order]
-    counts = torch.bincount(expert, minlength=num_experts + 1)                        # [E + 1]
+    # scatter_add_, not bincount: bincount reads min/max back to the host on CUDA
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, expert, torch.ones_like(expert))                                           # [E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = 0
     padded_end = torch.cumsum(padded, 0)

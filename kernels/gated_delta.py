@@ -54,26 +54,35 @@ def gated_delta_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``o [T, Hv, V]`` in ``v.dtype``; ``state[slots]`` holds the states after each sequence.
+        With one token per sequence (``T == B``, a decode step) it runs without a host sync.
     """
     _check(q, k, v, g, beta, cu_seqlens, state, slots)
     group = v.shape[1] // k.shape[1]
-    starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     slots = slots.long()
-    states = state[slots].clone()                                        # [B, Hv, K, V]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if q.shape[0] == slots.shape[0]:   # one token per sequence (decode): no host sync, fixed shapes
+        state[slots] = _recurrent_step(q, k, v, g, beta, state[slots], group, out, slice(None))
+        return out.to(v.dtype)
+    starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    states = state[slots].clone()                                        # [B, Hv, K, V]
     for i in range(int(lens.max()) if lens.numel() else 0):
         seqs = (lens > i).nonzero().squeeze(1)
-        rows = starts[seqs] + i
-        q_t = q[rows].float().repeat_interleave(group, dim=1)              # [n, Hv, K]
-        k_t = k[rows].float().repeat_interleave(group, dim=1)
-        s = states[seqs] * g[rows].float().exp()[..., None, None]
-        kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)                       # [n, Hv, V]
-        delta = (v[rows].float() - kv_mem) * beta[rows].float().unsqueeze(-1)
-        s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        out[rows] = (s * q_t.unsqueeze(-1)).sum(dim=-2)
-        states[seqs] = s
+        states[seqs] = _recurrent_step(q, k, v, g, beta, states[seqs], group, out, starts[seqs] + i)
     state[slots] = states
     return out.to(v.dtype)
+
+
+def _recurrent_step(q, k, v, g, beta, s, group: int, out: torch.Tensor, rows) -> torch.Tensor:
+    """One token of each of ``n`` sequences: states ``s [n, Hv, K, V]`` float32 and their tokens at
+    ``rows`` of the packed inputs; writes ``out[rows]`` and returns the new states."""
+    q_t = q[rows].float().repeat_interleave(group, dim=1)                  # [n, Hv, K]
+    k_t = k[rows].float().repeat_interleave(group, dim=1)
+    s = s * g[rows].float().exp()[..., None, None]
+    kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)                           # [n, Hv, V]
+    delta = (v[rows].float() - kv_mem) * beta[rows].float().unsqueeze(-1)
+    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+    out[rows] = (s * q_t.unsqueeze(-1)).sum(dim=-2)
+    return s
 
 
 def _chunk_one(q, k, v, g, beta, initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 from shardserve.kernels.dispatch import use_triton
 from shardserve.kernels.paged_attention import token_seq_and_pos
+from shardserve.kernels.workspace import WORKSPACE_ELEMENTS, plan_row_chunks
 
 FP8_GROUP = 128               # dims sharing one scale (DeepSeek-V3.2 act_quant block size)
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
@@ -107,10 +108,6 @@ def dequantize_index_keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return values * scales.repeat_interleave(FP8_GROUP, dim=-1)[..., :head_dim]
 
 
-# Scores are computed in query-row chunks of at most this many [rows, H, S] float32 elements.
-_SCORE_ELEMENTS = 1 << 24
-
-
 def check_fp8_queries(q: torch.Tensor, q_scale: torch.Tensor | None, k_cache: torch.Tensor) -> None:
     """Validate the query format against the key cache (shared by the reference and the kernel).
 
@@ -152,39 +149,88 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
 
     Returns:
         ``[T, max_seq_len]`` float32; column s is key position s of the token's own sequence,
-        ``-inf`` where ``s`` is after the token's position.
+        ``-inf`` where ``s`` is after the token's position. (This materializes ``T x S``: the
+        serving path, :func:`indexer_topk`, scores bounded row chunks instead.)
 
     Raises:
         ValueError: see :func:`check_fp8_queries`.
     """
     check_fp8_queries(q, q_scale, k_cache)
-    num_tokens, num_heads, head_dim = q.shape
+    token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, q.shape[0])
+    width = _width(max_seq_len, block_tables, k_cache)
+    segments = None
+    if query_start_loc is not None:
+        bounds = query_start_loc.tolist()
+        segments = tuple((first, end, seq, min(width, length))
+                         for seq, (first, end, length) in enumerate(zip(bounds[:-1], bounds[1:], seq_lens.tolist())))
+    return score_rows_ref(q, weights, k_cache, block_tables, token_seq, token_pos, width, segments, q_scale)
+
+
+def _width(max_seq_len: int | None, block_tables: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Logit columns: ``max_seq_len`` capped at the block table's capacity."""
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    return min(max_seq_len or capacity, capacity)
+
+
+def _keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Cached key rows as float32 (dequantized when packed fp8)."""
+    return dequantize_index_keys(rows, head_dim) if rows.dtype == torch.uint8 else rows.float()
+
+
+# The reference's score tiles ([rows, H, keys] and their weighted sum) hold a quarter of the
+# workspace each, beside the chunk's logits: at most 7 bytes per workspace element in all.
+_TILE_ELEMENTS = WORKSPACE_ELEMENTS // 4
+
+
+def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                   token_seq: torch.Tensor, token_pos: torch.Tensor, width: int,
+                   segments: tuple[tuple[int, int, int, int], ...] | None,
+                   q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of some query rows against key positions ``0..width-1`` of their sequences, walking
+    key tiles of a quarter of :data:`kernels.workspace.WORKSPACE_ELEMENTS` elements.
+
+    Args:
+        q, weights, k_cache, block_tables, q_scale: see :func:`indexer_scores_ref` (``R`` rows).
+        token_seq, token_pos: ``[R]`` sequence and position of each row.
+        width: logit columns.
+        segments: ``(first_row, end_row, seq, num_keys)`` runs of rows sharing a sequence (their
+            keys ``0..num_keys-1`` gathered once per tile), in step rows: the first run starts at
+            row 0 of ``q``; None: every row has its own sequence (decode), keys gathered per row.
+
+    Returns:
+        ``[R, width]`` float32, ``-inf`` after each row's position.
+    """
+    num_rows, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
-    token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, num_tokens)
-    capacity = block_tables.shape[1] * block_size
-    width = min(max_seq_len or capacity, capacity)
-    positions = torch.arange(width, device=q.device)
-    num_blocks = -(-width // block_size)
-    keys = k_cache[block_tables[:, :num_blocks].long()]                            # [B, blocks, block_size, D]
-    keys = keys.view(keys.shape[0], num_blocks * block_size, -1)[:, :width]
-    keys = dequantize_index_keys(keys, head_dim) if k_cache.dtype == torch.uint8 else keys.float()  # [B, S, D]
+    cache_rows = k_cache.view(-1, k_cache.shape[-1])
     q = q.float() if q_scale is None else dequantize_index_queries(q, q_scale)    # exact: power-of-two scales
     weights = weights.float()
-    logits = q.new_empty(num_tokens, width)
-    rows = max(1, _SCORE_ELEMENTS // max(1, num_heads * width))    # bounds the [rows, H, S] intermediate
-    if query_start_loc is None:                                     # decode: token b is sequence b's query
-        for start in range(0, num_tokens, rows):
-            chunk = slice(start, start + rows)
-            scores = torch.relu(torch.einsum("bhd,bsd->bhs", q[chunk], keys[chunk]))
-            logits[chunk] = torch.einsum("bh,bhs->bs", weights[chunk], scores)
+    # Every column is written below or lies after its row's position (masked at the end).
+    logits = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
+    if segments is None:                                               # decode: one sequence per row
+        tile = max(block_size, _TILE_ELEMENTS // max(1, num_rows * max(num_heads, head_dim)))
+        for lo in range(0, width, tile):
+            pos = torch.arange(lo, min(lo + tile, width), device=q.device)
+            slots = block_tables[token_seq[:, None], pos // block_size].long() * block_size + pos % block_size
+            keys = _keys(cache_rows[slots], head_dim)                                       # [R, N, D]
+            scores = torch.einsum("rhd,rnd->rhn", q, keys).relu_()
+            logits[:, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights, scores)
     else:
-        bounds = query_start_loc.tolist()
-        for seq, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            for start in range(first, end, rows):
-                chunk = slice(start, min(start + rows, end))
-                scores = torch.relu(torch.einsum("thd,sd->ths", q[chunk], keys[seq]))
-                logits[chunk] = torch.einsum("th,ths->ts", weights[chunk], scores)
-    return logits.masked_fill(positions[None, :] > token_pos[:, None], float("-inf"))
+        base = segments[0][0] if segments else 0
+        for first, end, seq, num_keys in segments:
+            if end == first:
+                continue
+            rows = slice(first - base, end - base)
+            seq_width = min(width, num_keys)                                # causal: no key after the last row
+            tile = max(block_size, _TILE_ELEMENTS // max(1, (end - first) * num_heads))   # [rows, H, tile]
+            for lo in range(0, seq_width, tile):
+                pos = torch.arange(lo, min(lo + tile, seq_width), device=q.device)
+                slots = block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+                keys = _keys(cache_rows[slots], head_dim)                                   # [N, D]
+                scores = torch.einsum("rhd,nd->rhn", q[rows], keys).relu_()
+                logits[rows, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights[rows], scores)
+    positions = torch.arange(width, device=q.device)
+    return logits.masked_fill_(positions[None, :] > token_pos[:, None], float("-inf"))
 
 
 def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
@@ -231,20 +277,54 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, topk: int, query_start_loc: torch.Tensor | None = None,
-                 max_seq_len: int | None = None, *, q_scale: torch.Tensor | None = None,
-                 sink: int = 0) -> torch.Tensor:
-    """Top-k key positions per query token: :func:`indexer_scores` then :func:`select_topk`.
+                 max_seq_len: int | None = None, *, q_scale: torch.Tensor | None = None, sink: int = 0,
+                 query_start_host: list[int] | None = None, seq_lens_host: list[int] | None = None,
+                 budget: int = WORKSPACE_ELEMENTS) -> torch.Tensor:
+    """Top-k key positions per query token, scored in bounded row chunks.
+
+    The rows are cut by :func:`kernels.workspace.plan_row_chunks` so that each chunk's logits
+    ``[rows, width]`` hold at most ``budget`` float32 elements, ``width`` being the chunk's last
+    causal position + 1 (decode: ``max_seq_len``); each chunk is scored (Triton on GPU, key tiles
+    past a row's position skipped) and reduced to its top-k before the next one runs. Memory is
+    ``O(budget + T x topk)`` whatever the context.
 
     Args:
         q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len, q_scale: see
             :func:`indexer_scores_ref`.
         topk: keys kept per token.
         sink: first positions of each sequence always kept (see :func:`select_topk`).
+        query_start_host, seq_lens_host: host copies of ``query_start_loc`` / ``seq_lens`` (prefill
+            and mixed steps); read from the device when missing (a host sync).
+        budget: logits per chunk (default :data:`kernels.workspace.WORKSPACE_ELEMENTS`).
 
     Returns:
         ``[T, topk]`` int32 positions (``-1`` padded), the input of the sparse
         :func:`kernels.mla_attention.mla_attention`.
+
+    Raises:
+        ValueError: see :func:`check_fp8_queries`.
     """
-    logits = indexer_scores(q, weights, k_cache, block_tables, seq_lens, query_start_loc, max_seq_len,
-                            q_scale=q_scale)
-    return select_topk(logits, topk, sink)
+    check_fp8_queries(q, q_scale, k_cache)
+    num_tokens = q.shape[0]
+    width = _width(max_seq_len, block_tables, k_cache)
+    if query_start_loc is not None and query_start_host is None:
+        query_start_host, seq_lens_host = query_start_loc.tolist(), seq_lens.tolist()
+    if query_start_loc is None:
+        query_start_host = seq_lens_host = None
+    chunks = plan_row_chunks(num_tokens, width, query_start_host, seq_lens_host, budget)
+    token_seq, token_pos = token_seq_and_pos(query_start_loc, seq_lens, num_tokens)
+    triton_rows = None
+    if use_triton(q):
+        from shardserve.kernels.indexer_triton import score_rows_triton as triton_rows
+    out = torch.empty(num_tokens, topk, dtype=torch.int32, device=q.device)
+    for chunk in chunks:
+        rows = slice(chunk.start, chunk.end)
+        args = (q[rows], weights[rows], k_cache, block_tables, token_seq[rows], token_pos[rows], chunk.width)
+        scales = None if q_scale is None else q_scale[rows]
+        if triton_rows is not None:
+            logits = triton_rows(*args, q_scale=scales)
+        else:
+            logits = score_rows_ref(*args, chunk.segments, scales)
+        out[rows] = select_topk(logits, topk, sink)
+        del logits                        # before the next chunk's: one chunk of logits alive at a time
+    return out

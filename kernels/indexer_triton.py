@@ -1,8 +1,10 @@
 """Triton DSA indexer logits over the paged key cache; contract :func:`kernels.indexer.indexer_scores_ref`.
 
 One program per (query token, tile of BLOCK_N key positions): the key tile is scored against every
-head (head tiles of up to 64 rows), ReLU'd, weighted and summed over heads in registers. Top-k
-stays in torch (:func:`kernels.indexer.select_topk`). Packed fp8 keys
+head (head tiles of up to 64 rows), ReLU'd, weighted and summed over heads in registers; a tile
+wholly after the token's position writes ``-inf`` without reading keys. Offsets are int64.
+Top-k stays in torch (:func:`kernels.indexer.select_topk`), one bounded row chunk at a time
+(:func:`kernels.indexer.indexer_topk`). Packed fp8 keys
 (:func:`kernels.indexer.quantize_index_keys`) are read in chunks of at most one scale group (128
 dims): with float queries the chunk is dequantized (fp8 values times the group's float32 scale) and
 multiplied in the query's dtype; with fp8 queries (:func:`kernels.indexer.quantize_index_queries`)
@@ -31,16 +33,19 @@ def _indexer_scores_kernel(
     K_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_GROUP: tl.constexpr, FP8_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.program_id(0).to(tl.int64)            # int64: t * stride_ot passes 2**31 at long contexts
+    tile_start = tl.program_id(1) * BLOCK_N
+    offs_n = tile_start + tl.arange(0, BLOCK_N)
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
     pos = tl.load(token_pos_ptr + t)
     valid = (offs_n <= pos) & (offs_n < width)                                   # causal
+    # A tile wholly after the row's position only writes -inf: no key is read, no head is scored.
+    heads_to_score = tl.where(tile_start <= pos, num_heads, 0)
     blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     key_rows = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks              # [BLOCK_N]
     scale_rows = blk * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss            # [BLOCK_N] (fp8 keys)
     logits = tl.zeros([BLOCK_N], tl.float32)
-    for h0 in range(0, num_heads, BLOCK_H):
+    for h0 in range(0, heads_to_score, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         h_mask = heads < num_heads
         w = tl.load(w_ptr + t * stride_wt + heads, mask=h_mask, other=0.0).to(tl.float32)
@@ -96,6 +101,28 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         ValueError: see :func:`kernels.indexer.check_fp8_queries`.
     """
     check_launchable(q, weights, k_cache, block_tables, seq_lens)
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    width = min(max_seq_len or capacity, capacity)
+    token_seq, token_pos = token_metadata(query_start_loc, seq_lens, q.shape[0])
+    return score_rows_triton(q, weights, k_cache, block_tables, token_seq, token_pos, width, q_scale=q_scale)
+
+
+def score_rows_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                      token_seq: torch.Tensor, token_pos: torch.Tensor, width: int, *,
+                      q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of ``R`` query rows against key positions ``0..width-1`` of their own sequences
+    (one row chunk of :func:`kernels.indexer.indexer_topk`; contract of
+    :func:`kernels.indexer.score_rows_ref`).
+
+    Args:
+        q, weights, k_cache, block_tables, q_scale: see :func:`indexer_scores_triton` (``R`` rows).
+        token_seq, token_pos: ``[R]`` int sequence and position of each row.
+        width: logit columns.
+
+    Returns:
+        ``[R, width]`` float32, ``-inf`` after each row's position.
+    """
+    check_launchable(q, weights, k_cache, block_tables, token_pos)
     check_fp8_queries(q, q_scale, k_cache)
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
@@ -107,12 +134,10 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     q = q if q.stride(-1) == 1 else q.contiguous()
     q_scale = q if q_scale is None else q_scale.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    capacity = block_tables.shape[1] * block_size
-    width = min(max_seq_len or capacity, capacity)
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or width == 0:
         return out
-    token_seq, token_pos = token_metadata(query_start_loc, seq_lens, num_tokens)
+    token_seq, token_pos = token_seq.to(torch.int32).contiguous(), token_pos.to(torch.int32).contiguous()
     keys, scales = k_cache, k_cache
     if k_fp8:   # one uint8 row per slot: D fp8 values, then float32 scales
         keys = k_cache.view(torch.float8_e4m3fn)

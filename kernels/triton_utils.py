@@ -73,6 +73,24 @@ def token_metadata(query_start_loc: torch.Tensor | None, seq_lens: torch.Tensor,
     return token_seq.to(torch.int32).contiguous(), token_pos.to(torch.int32).contiguous()
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the interpreter: small grids still split)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemm_split_k(num_tiles: int, k_steps: int, device: torch.device, max_split: int = 16) -> int:
+    """Split-K factor for a skinny GEMM whose output grid has ``num_tiles`` programs and whose K
+    loop has ``k_steps`` steps: enough splits to give every SM about two programs (decode GEMMs
+    have few output tiles: N = 7168 in 64-column tiles is 112 programs on 132 SMs, N = 576 only 9),
+    never fewer than 4 K steps per split."""
+    target = 2 * num_sms(device)
+    if num_tiles >= target:
+        return 1
+    return max(1, min(-(-target // num_tiles), k_steps // 4, max_split))
+
+
 def choose_splits(max_keys: int, num_programs: int, block_n: int, num_splits: int | None,
                   target_programs: int = 512, min_keys_per_split: int = 256) -> tuple[int, int]:
     """Split-K plan for a context of up to ``max_keys`` keys.

@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.SerializeToString,
                 response_deserializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/shardserve.v1.Inference/GenerateStream',
+                request_serializer=shardserve_dot_proto_dot_inference__pb2.StreamRequest.SerializeToString,
+                response_deserializer=shardserve_dot_proto_dot_inference__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -90,6 +95,17 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests over one call (a router's link to this replica): each StreamRequest
+        starts or cancels one request; each StreamResponse carries what one engine step produced for
+        every request of the call that got output, and the requests that failed (with the status
+        Generate would have ended with). A request ends with the response that has a finish_reason,
+        or with its error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +128,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ReloadWeights,
                     request_deserializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.FromString,
                     response_serializer=shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=shardserve_dot_proto_dot_inference__pb2.StreamRequest.FromString,
+                    response_serializer=shardserve_dot_proto_dot_inference__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +243,33 @@ class Inference:
             '/shardserve.v1.Inference/ReloadWeights',
             shardserve_dot_proto_dot_inference__pb2.ReloadWeightsRequest.SerializeToString,
             shardserve_dot_proto_dot_inference__pb2.ReloadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shardserve.v1.Inference/GenerateStream',
+            shardserve_dot_proto_dot_inference__pb2.StreamRequest.SerializeToString,
+            shardserve_dot_proto_dot_inference__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

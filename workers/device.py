@@ -6,10 +6,8 @@ One rule for every command and every rank (``--device``, ``--dtype``, ``--gpu-me
   ``cpu``; ``cuda`` without a visible GPU is an error, not a silent fallback.
 - dtype ``auto``: bfloat16 on CUDA; on CPU bfloat16 with packed weights for a GGUF file of mostly
   Q4_0 / Q4_1 / Q8_0 matrices (or ``--quantization``), float32 otherwise.
-- KV cache on CUDA (vLLM's rule): ``utilization * total`` bytes of the GPU, minus the weights, minus
-  the peak activation memory of one profiling forward, minus memory held outside torch's allocator
-  (CUDA context, NCCL buffers, other processes). On CPU the cache takes ``--kv-cache-gib``. Every
-  rank of a group then allocates the smallest block count any rank can hold.
+- KV cache: ``workers/plan.py`` (on CUDA ``utilization * total`` bytes of the GPU less the weights,
+  the activation and graph reserves and the memory held outside torch; on CPU ``--kv-cache-gib``).
 
 Errors are :class:`DeviceConfigError` (a request the machine cannot satisfy) and
 :class:`DoesNotFitError` (the model or its cache does not fit); both are ``ValueError`` so the CLI
@@ -19,7 +17,6 @@ turns them into one line on stderr and exit code 2. Their messages name the numb
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 # NOTE: torch is imported inside the functions: the CLI validates flags with this module before
 # anything heavy is imported.
@@ -138,92 +135,6 @@ def host_memory_available() -> int:
     except (OSError, ValueError):
         pass
     return available
-
-
-@dataclass(slots=True)
-class MemoryPlan:
-    """What one rank's memory holds (bytes); logged at start-up and returned to the coordinator.
-
-    On CPU ``capacity`` is the host memory available at start-up and ``activation`` / ``other``
-    are 0 (not profiled); on CUDA ``capacity`` is ``utilization * total``.
-    """
-
-    device: str             # "cuda:0" / "cpu"
-    capacity: int           # bytes this rank may use in all
-    weights: int            # model parameters and buffers on this rank
-    activation: int = 0     # peak extra memory of one profiling forward at max_num_batched_tokens
-    other: int = 0          # held outside torch's allocator (CUDA context, NCCL, other processes)
-    cache: int = 0          # the KV / indexer / draft caches may take this much
-
-    def summary(self) -> str:
-        return (f"{self.device}: weights {gib(self.weights)}, activations {gib(self.activation)}, "
-                f"other {gib(self.other)}, KV cache budget {gib(self.cache)} of {gib(self.capacity)}")
-
-
-def check_weights_fit(weight_bytes: int, capacity: int, where: str, hint: str) -> None:
-    """Fail before loading when this rank's weights alone exceed what it may use.
-
-    Args:
-        weight_bytes: parameter bytes this rank will hold (from a meta-device build).
-        capacity: bytes available to the rank (0 = unknown: no check).
-        where: the device and the rule that set ``capacity``, for the message.
-        hint: what the user can change.
-
-    Raises:
-        DoesNotFitError: ``weight_bytes > capacity``.
-    """
-    if capacity and weight_bytes > capacity:
-        raise DoesNotFitError(f"the model does not fit: its weights need {gib(weight_bytes)} on this rank, "
-                              f"{where} leaves {gib(capacity)}; {hint}")
-
-
-def cuda_cache_budget(total: int, utilization: float, weights: int, activation: int, other: int,
-                      min_bytes: int, device: str) -> MemoryPlan:
-    """The KV cache budget of one CUDA rank (vLLM's ``--gpu-memory-utilization`` rule).
-
-    ``cache = utilization * total - weights - activation - other``.
-
-    Args:
-        total: the GPU's memory (``torch.cuda.mem_get_info()[1]``), bytes.
-        utilization: fraction of ``total`` this rank may use, ``(0, 1]``.
-        weights: bytes of the loaded weights.
-        activation: peak bytes of the profiling forward above the weights.
-        other: bytes held outside torch's allocator (``total - free - reserved``).
-        min_bytes: the smallest useful cache (one block of every layer), bytes.
-        device: name for messages (``"cuda:0"``).
-
-    Returns:
-        the :class:`MemoryPlan` with ``cache`` set.
-
-    Raises:
-        DoesNotFitError: less than ``min_bytes`` is left for the cache.
-    """
-    capacity = int(utilization * total)
-    plan = MemoryPlan(device, capacity, weights, activation, other)
-    plan.cache = capacity - weights - activation - other
-    if plan.cache < min_bytes:
-        raise DoesNotFitError(
-            f"the model does not fit on {device}: --gpu-memory-utilization {utilization} x {gib(total)} = "
-            f"{gib(capacity)}, minus weights {gib(weights)}, activations {gib(activation)} and other "
-            f"{gib(other)} leaves {gib(plan.cache)} for the KV cache, less than one block ({min_bytes} bytes); "
-            "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use more tensor-parallel ranks")
-    return plan
-
-
-def cpu_cache_plan(cache_bytes: int, weights: int, device: str = "cpu") -> MemoryPlan:
-    """The CPU rank's plan: ``--kv-cache-gib`` (or the exact block count) against the host memory
-    available at start-up.
-
-    Raises:
-        DoesNotFitError: weights plus cache exceed the available host memory.
-    """
-    available = host_memory_available()
-    plan = MemoryPlan(device, available, weights, cache=cache_bytes)
-    if available and weights + cache_bytes > available:
-        raise DoesNotFitError(
-            f"the model does not fit in host memory: weights {gib(weights)} + KV cache {gib(cache_bytes)} "
-            f"exceed the {gib(available)} available; lower --kv-cache-gib or use more tensor-parallel ranks")
-    return plan
 
 
 CPU_KERNEL_CACHE_ENTRIES = 32

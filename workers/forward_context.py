@@ -26,6 +26,10 @@ class AttentionMetadata:
     max_seq_len: int                # host copy of max(seq_lens)
     step_cache: dict = field(default_factory=dict)  # tensors derived from the above, built once per step
     state: object = None            # StateMetadata (workers/state_cache.py) of hybrid recurrent models, else None
+    # Host copies of query_start_loc / seq_lens (plain lists), so prefill kernels can plan bounded
+    # chunks without reading the device; None where the builder has none (then read when needed).
+    query_start_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -46,8 +50,12 @@ def get_attention_metadata() -> AttentionMetadata:
     """The current step's metadata.
 
     Raises:
-        RuntimeError: called outside :func:`forward_context`.
+        RuntimeError: called outside :func:`forward_context`, or in code that torch.compile traces
+            (the graph would keep one step's values: read it inside an opaque call instead,
+            ``workers/compilation.py``).
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the step's attention metadata is read in traced code; read it inside an opaque call")
     if _CONTEXT is None:
         raise RuntimeError("attention metadata requested outside forward_context()")
     return _CONTEXT

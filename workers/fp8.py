@@ -31,10 +31,7 @@ DEFAULT_BLOCK_SIZE = (128, 128)
 
 def block_size_of(config) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of an HF config, or 128 x 128."""
-    quant = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
-    block = quant.get("weight_block_size") or DEFAULT_BLOCK_SIZE
+    block = quantization_config(config).get("weight_block_size") or DEFAULT_BLOCK_SIZE
     assert len(block) == 2 and all(int(b) > 0 for b in block), f"weight_block_size={block} is not two positive ints"
     return int(block[0]), int(block[1])
 
@@ -135,21 +132,52 @@ class Fp8DequantCheckpoint(Checkpoint):
         return read
 
 
-def dequantizing_checkpoint(ckpt: Checkpoint, config) -> Checkpoint:
-    """Wrap ``ckpt`` in :class:`Fp8DequantCheckpoint` when it holds block-scaled FP8 weights.
-
-    A checkpoint counts as FP8 when ``config.quantization_config.quant_method == "fp8"`` or any
-    tensor name ends in ``weight_scale_inv``; otherwise ``ckpt`` is returned unchanged.
-    """
-    from shardserve.workers.checkpoint import SafetensorsCheckpoint
-
-    if not isinstance(ckpt, SafetensorsCheckpoint):
-        return ckpt
+def quantization_config(config) -> dict:
+    """``config.quantization_config`` as a dict (empty when the checkpoint is not quantized)."""
     quant = getattr(config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if method == "fp8" or any(name.endswith(SCALE_SUFFIX) for name in ckpt.names()):
-        return Fp8DequantCheckpoint(ckpt, block_size_of(config))
-    return ckpt
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    return quant
+
+
+def is_block_fp8(ckpt: Checkpoint, config) -> bool:
+    """Whether ``ckpt`` holds block-scaled FP8 weights: ``config.quantization_config.quant_method ==
+    "fp8"`` or any tensor name ends in ``weight_scale_inv`` (never for GGUF files)."""
+    from shardserve.workers.checkpoint import GGUFCheckpoint
+
+    if isinstance(ckpt, GGUFCheckpoint):
+        return False
+    return (quantization_config(config).get("quant_method") == "fp8"
+            or any(name.endswith(SCALE_SUFFIX) for name in ckpt.names()))
+
+
+def dequantizing_checkpoint(ckpt: Checkpoint, config) -> Checkpoint:
+    """Wrap ``ckpt`` in :class:`Fp8DequantCheckpoint` when it holds block-scaled FP8 weights
+    (:func:`is_block_fp8`); otherwise (or when wrapped already) ``ckpt`` is returned unchanged."""
+    if isinstance(ckpt, Fp8DequantCheckpoint):
+        return ckpt
+    return Fp8DequantCheckpoint(ckpt, block_size_of(config)) if is_block_fp8(ckpt, config) else ckpt
+
+
+# Linear layers the released FP8 checkpoints (DeepSeek-V3 / V3.2, GLM-5) keep unquantized, by module
+# name. DeepSeek-V3.2-Exp ``inference/model.py``: "weights_proj in the checkpoint is stored in bf16".
+# Embeddings, LM heads, norms and MoE routers are no linear layers of ours, so never asked about.
+UNQUANTIZED_LINEARS = ("weights_proj",)
+
+
+def released_fp8_weight(weight_name: str, config) -> bool:
+    """Whether a released block-FP8 checkpoint of ``config`` stores linear weight ``weight_name``
+    (``...X.weight``) in FP8 with a ``weight_scale_inv``: ``quant_method == "fp8"``, and the module
+    is neither in :data:`UNQUANTIZED_LINEARS` nor matched by the config's ``modules_to_not_convert``
+    (substrings of the module name, as transformers' FP8 integration reads them). ``config`` may
+    also be its ``quantization_config`` dict. Used to plan a model from its ``config.json`` alone
+    (``workers/plan.py``)."""
+    quant = config if isinstance(config, dict) else quantization_config(config)
+    if quant.get("quant_method") != "fp8":
+        return False
+    module = weight_name.removesuffix(".weight")
+    skipped = (*UNQUANTIZED_LINEARS, *(quant.get("modules_to_not_convert") or ()))
+    return not any(part in module for part in skipped)
 
 
 # -- FP8 kept on the GPU ------------------------------------------------------------------------

@@ -1,69 +1,91 @@
-"""How much device memory a rank's KV cache may take: one profiling forward, then vLLM's rule.
+"""The profiling step: one forward of a given step shape on temporary caches, measured on CUDA.
 
-:func:`profile_forward` runs the largest step the scheduler can send, one sequence of
-``min(max_num_batched_tokens, max_model_len)`` new tokens at the *end* of a ``max_model_len``
-context (the attention and DSA-indexer intermediates grow with both the chunk and the context),
-plus the logits and the sampler's sort over ``max_num_seqs`` rows. Its temporary caches hold only
-the chunk's blocks: the block table maps the whole context onto them, so shapes are right and
-contents do not matter. On CUDA the peak allocation above the weights is the activation memory
-(:func:`measure_cuda`); on CPU the same forward runs (tests and the dry run) but nothing is
-measured.
+:func:`run_step` runs any :class:`workers.activation.StepShape` (``B`` sequences each computing its
+last ``T / B`` positions of an ``S``-token context) with the logits and the sampler's filtering over
+``R`` rows. Its temporary caches hold only the step's blocks: each block table maps the whole
+context onto them, so shapes are right and contents do not matter. The runner profiles the largest
+step the scheduler can send (:meth:`StepShape.prefill`), the shape the activation reserve of
+``workers/activation.py`` is planned for, so the profile is bounded by what a step can do and
+checked against the plan: on CUDA :func:`measure_cuda` refuses to start a profile the free memory
+cannot hold, and reports the measured peak above the weights and the memory held outside torch.
+On CPU the same forward runs (tests and the dry run) but nothing is measured.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardserve.workers.device import DoesNotFitError, MemoryPlan, cuda_cache_budget, gib
+from shardserve.workers.activation import StepShape
+from shardserve.workers.device import DoesNotFitError, gib
 from shardserve.workers.forward_context import forward_context
 from shardserve.workers.sampler import filter_logits
 from shardserve.workers.state_cache import SeqGroup, StateMetadata
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, device_batch
 
 
-def profile_batch(num_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> HostBatch:
-    """One sequence computing its last ``num_tokens`` positions of ``max_model_len``, its table
-    cycling over ``num_blocks`` physical blocks."""
-    num_tokens = max(1, min(num_tokens, max_model_len))
-    width = -(-max_model_len // block_size)
-    table = [i % num_blocks for i in range(width)]
-    positions = list(range(max_model_len - num_tokens, max_model_len))
-    return HostBatch([0] * num_tokens, positions,
-                     [table[p // block_size] * block_size + p % block_size for p in positions],
-                     [0, num_tokens], [max_model_len], [table], [num_tokens - 1], num_tokens, max_model_len)
+def step_blocks(shape: StepShape, block_size: int) -> int:
+    """Physical blocks :func:`step_batch` writes: every sequence's new tokens, a block more each."""
+    return shape.num_seqs * (-(-shape.max_query_len // block_size) + 1)
+
+
+def step_batch(shape: StepShape, block_size: int) -> HostBatch:
+    """The host inputs of ``shape``: sequence ``b`` computes its last ``T / B`` positions of an
+    ``S``-token context; its block table maps the context onto its own :func:`step_blocks` share,
+    cycling (no two sequences write one slot)."""
+    queries = [shape.num_tokens // shape.num_seqs + (b < shape.num_tokens % shape.num_seqs)
+               for b in range(shape.num_seqs)]
+    width = -(-shape.max_seq_len // block_size)
+    own = step_blocks(shape, block_size) // shape.num_seqs
+    ids, positions, slots, starts, tables, rows = [], [], [], [0], [], []
+    for b, count in enumerate(queries):
+        table = [b * own + i % own for i in range(width)]
+        span = range(shape.max_seq_len - count, shape.max_seq_len)
+        ids += [0] * count
+        positions += span
+        slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        starts.append(starts[-1] + count)
+        tables.append(table)
+        rows.append(starts[-1] - 1)
+    return HostBatch(ids, positions, slots, starts, [shape.max_seq_len] * shape.num_seqs, tables, rows,
+                     max(queries), shape.max_seq_len)
 
 
 @torch.inference_mode()
-def profile_forward(model, device: torch.device, block_size: int, max_num_batched_tokens: int,
-                    max_model_len: int, max_num_seqs: int, allocate) -> int:
-    """Run the worst-case step once on temporary caches, then free them.
+def run_step(model, device: torch.device, shape: StepShape, block_size: int, allocate) -> int:
+    """Run one step of ``shape`` on temporary caches (and one recurrent-state slot per sequence for
+    hybrid models), with the LM head and the sampler's filtering over ``shape.num_logit_rows``
+    rows; then free the caches.
 
     Args:
         model: the loaded model (``attention_layers()``, ``compute_logits``).
         device: where it lives.
+        shape: the step.
         block_size: tokens per block.
-        max_num_batched_tokens / max_model_len / max_num_seqs: the scheduler's limits.
         allocate: ``allocate(layers, num_blocks) -> bytes``, the runner's cache allocator.
 
     Returns:
-        bytes of the temporary caches (part of the measured peak, not activation memory).
+        bytes of the temporary caches (part of a measured peak, not activation memory).
     """
-    num_tokens = min(max_num_batched_tokens, max_model_len)
-    num_blocks = -(-num_tokens // block_size) + 1
     layers = model.attention_layers()
-    state_layers = getattr(model, "state_layers", list)()   # hybrid models: one recurrent-state slot
-    cache_bytes = allocate(layers, num_blocks) + (allocate(state_layers, 1) if state_layers else 0)
+    state_layers = getattr(model, "state_layers", list)()
+    cache_bytes = allocate(layers, step_blocks(shape, block_size))
+    cache_bytes += allocate(state_layers, shape.num_seqs) if state_layers else 0
     try:
-        host = profile_batch(num_tokens, max_model_len, block_size, num_blocks)
+        host = step_batch(shape, block_size)
         input_ids, meta, rows = device_batch(host, DeviceStager(device))
-        if state_layers:   # the chunk runs the chunked rule from slot 0 (contents do not matter)
-            cu_seqlens = torch.tensor([0, len(host.input_ids)], dtype=torch.int32, device=device)
-            slots = torch.zeros(1, dtype=torch.int32, device=device)
-            meta.state = StateMetadata(cu_seqlens, slots, SeqGroup(None, cu_seqlens, slots), None, keep=False)
+        if state_layers:   # slot b for sequence b (contents do not matter); decode steps run the recurrent rule
+            cu_seqlens = torch.tensor(host.query_start_loc, dtype=torch.int32, device=device)
+            slots = torch.arange(shape.num_seqs, dtype=torch.int32, device=device)
+            group = SeqGroup(None, cu_seqlens, slots)
+            chunked = shape.max_query_len > 1
+            meta.state = StateMetadata(cu_seqlens, slots, group if chunked else None, None if chunked else group,
+                                       keep=False)
         with forward_context(meta):
             hidden = model(input_ids, meta.positions)
-        logits = model.compute_logits(hidden[rows].expand(max_num_seqs, -1))      # [max_num_seqs, vocab]
-        ones = torch.ones(max_num_seqs, device=device)
+        picked = hidden[rows]                                                      # [B, hidden]
+        index = torch.arange(shape.num_logit_rows, device=device) % picked.shape[0]
+        logits = model.compute_logits(picked[index])                               # [R, vocab]
+        ones = torch.ones(shape.num_logit_rows, device=device)
         filter_logits(logits, ones.long(), ones * 0.9, ones * 0.0).softmax(-1)
     finally:
         for layer in [*layers, *state_layers]:
@@ -71,30 +93,40 @@ def profile_forward(model, device: torch.device, block_size: int, max_num_batche
     return cache_bytes
 
 
-def measure_cuda(model, device: torch.device, utilization: float, bytes_per_block: int, block_size: int,
-                 max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, allocate) -> MemoryPlan:
-    """The rank's :class:`MemoryPlan` on CUDA: weights = memory allocated before profiling,
-    activation = the profiling forward's peak above that, other = used outside torch's allocator.
+def measure_cuda(model, device: torch.device, shape: StepShape, block_size: int, allocate,
+                 planned: int) -> tuple[int, int]:
+    """Profile ``shape`` on CUDA.
+
+    Args:
+        model, device, shape, block_size, allocate: see :func:`run_step`.
+        planned: the activation reserve planned for ``shape`` (bytes); the profile starts only
+            when that much is free.
+
+    Returns:
+        ``(activation, outside)``: the step's peak allocation above what was allocated before it
+        (less its temporary caches), and the device memory held outside torch's allocator after it
+        (CUDA context, NCCL buffers, other processes), bytes.
 
     Raises:
-        DoesNotFitError: the profiling forward ran out of memory, or nothing is left for one block.
+        DoesNotFitError: less than ``planned`` is free, or the step ran out of memory.
     """
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
+    where = (f"{shape.num_tokens} tokens at the end of a {shape.max_seq_len}-token context, with weights "
+             f"{gib(weights)} loaded ({gib(free)} of {gib(total)} free)")
+    if planned > free:
+        raise DoesNotFitError(f"the model does not fit on {device}: the profiling step ({where}) needs up to "
+                              f"{gib(planned)} of activations; lower --max-num-batched-tokens or --max-model-len")
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        temp_cache = profile_forward(model, device, block_size, max_num_batched_tokens, max_model_len, max_num_seqs,
-                                     allocate)
+        temp_cache = run_step(model, device, shape, block_size, allocate)
     except torch.cuda.OutOfMemoryError as exc:
-        free, total = torch.cuda.mem_get_info(device)
-        raise DoesNotFitError(
-            f"the model does not fit on {device}: the profiling forward ({max_num_batched_tokens} tokens at the end "
-            f"of a {max_model_len}-token context) ran out of memory with weights {gib(weights)} loaded "
-            f"({gib(free)} of {gib(total)} free); lower --max-num-batched-tokens or --max-model-len") from exc
+        raise DoesNotFitError(f"the model does not fit on {device}: the profiling step ({where}) ran out of memory; "
+                              "lower --max-num-batched-tokens or --max-model-len") from exc
     torch.cuda.synchronize(device)
     activation = max(0, torch.cuda.max_memory_allocated(device) - weights - temp_cache)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    other = max(0, total - free - torch.cuda.memory_reserved(device))
-    return cuda_cache_budget(total, utilization, weights, activation, other, bytes_per_block, str(device))
+    return activation, max(0, total - free - torch.cuda.memory_reserved(device))

@@ -20,6 +20,25 @@ class SamplingOptions:
     min_p: float = 0.0              # drop tokens with prob < min_p * max prob
     seed: int | None = None         # per-request seed; None = engine's global generator
     logprobs: int | None = None     # None = no logprobs; N >= 0: chosen token's logprob plus top-N
+    # Sampling controls (workers/logits_processors.py), applied before temperature and the filters:
+    presence_penalty: float = 0.0   # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # logit / p (> 0) or * p (< 0) for tokens in prompt or output; 1 = off
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit
+    min_tokens: int = 0             # min_stop_ids are forbidden at output indices below this
+    min_stop_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] | None = None  # token sequences never completed
+    allowed_token_ids: list[int] | None = None   # only these tokens; None = all
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def has_controls(self) -> bool:
+        """Any control set: rank 0 keeps state for the request."""
+        return self.has_penalties or bool(self.logit_bias or self.min_tokens or self.bad_words_ids) \
+            or self.allowed_token_ids is not None
 
 
 @dataclass(slots=True)
@@ -29,6 +48,10 @@ class NewRequestData:
     req_id: str                     # unique while the request lives
     sampling: SamplingOptions       # used by rank 0 only
     state_slot: int | None = None   # recurrent-state slot (hybrid models, cluster/engine/state_slots.py); None otherwise
+    # Rank 0's sampling controls (penalties, bad words) need the tokens so far: prompt + output
+    # (the output is not empty after a preemption); None when the request has no controls.
+    token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 PLACEHOLDER_TOKEN = -1   # a token_ids entry rank 0 fills with its last sample for the request (async scheduling)
@@ -46,7 +69,10 @@ class ScheduledRequest:
     sample: bool                    # True when this step reaches the last known token
     output_index: int               # index of the token to sample among the outputs (seeded RNG stream)
     num_spec_tokens: int = 0        # the last num_spec_tokens of token_ids are draft tokens to verify
-    draft_probs: object = None      # [num_spec_tokens, vocab] float32 draft distribution q (None: greedy)
+    draft_probs_row: int = -1       # row of the draft worker's q buffer holding their draft distributions
+                                    # [K_max, vocab] (workers/draft_buffers.py); -1: greedy, no q
+    token_bitmask: object = None    # structured outputs: [num_spec_tokens + 1, ceil(vocab / 32)] int32 tokens
+                                    # allowed at each sampled row (cluster/engine/grammar.py); None: all
 
 
 @dataclass(slots=True)
@@ -78,7 +104,8 @@ class StepResult:
     # then the bonus/corrected token, consecutive and in order (1 to num_spec_tokens + 1 entries).
     sampled: list[SampledToken] = field(default_factory=list)
     logits: object = None           # [num_logit_rows, vocab] float32 torch tensor when the plan asked
-    hidden_states: object = None    # [num_tokens, hidden] float32, plan order, when plan.return_hidden
+    hidden_states: object = None    # [num_tokens, hidden] in plan order when plan.return_hidden and no
+                                    # draft buffers are attached (else rank 0 wrote them there)
     execute_s: float = 0.0          # rank 0's wall time inside execute (s)
     collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s
 
@@ -105,7 +132,8 @@ class DraftBatch:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[DraftRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)   # forget these first
-    hidden_states: object = None    # [sum(len(token_ids)), hidden] float32 target h_t of each entry
+    hidden_rows: list[int] = field(default_factory=list)        # [sum(len(token_ids))] row of each entry's h_t
+    hidden_states: object = None    # [rows, hidden] tensor the rows index; None: the shared hidden buffer
 
 
 @dataclass(slots=True)
@@ -114,7 +142,7 @@ class DraftProposal:
 
     req_id: str
     token_ids: list[int]            # 1..num_drafts proposed tokens
-    probs: object = None            # [len(token_ids), vocab] float32 draft distribution q (None: greedy)
+    probs_row: int = -1             # row of the q buffer holding their distributions (-1: greedy)
 
 
 @dataclass(slots=True)
@@ -122,3 +150,4 @@ class DraftResult:
     """The draft worker's answer to a :class:`DraftBatch` (requests with ``num_drafts > 0`` only)."""
 
     proposals: list[DraftProposal] = field(default_factory=list)
+    seconds: float = 0.0            # the draft worker's time inside propose (s)

@@ -20,14 +20,19 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.workers.checkpoint import GGUFCheckpoint
-from shardserve.workers.device import (DeviceConfigError, MemoryPlan, bound_cpu_kernel_caches, check_weights_fit,
-                                       cpu_cache_plan, gib, resolve_device, resolve_dtype)
+from shardserve.workers.compilation import CompiledForward, use_compile
+from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_caches, gib, host_memory_available,
+                                       resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
+from shardserve.workers.logits_processors import SamplingControls, apply_token_bitmasks
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles, model_context_length
+from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPlan, cache_bytes, check_plan,
+                                     decode_graph_backend, plan_rank)
 from shardserve.workers.quantization import WeightFormat, weight_format_for
-from shardserve.workers.sampler import sample, sample_with_drafts, sampled_tokens
+from shardserve.workers.rejection_sampler import sample_with_drafts
+from shardserve.workers.sampler import sample_on_device, sampled_tokens
 from shardserve.workers.state_cache import StateCache
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, build_host_batch, device_batch
 from shardserve.workers.weight_loader import build_model
@@ -55,6 +60,10 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048   # largest step (profiling)
     max_model_len: int | None = None     # longest sequence (graph table width, profiling); None = the model's
     seed: int = 0                        # seed of the generator for unseeded requests
+    gpu_fraction: float = 1.0            # share of its GPU this rank may use (fractional --gpus-per-worker)
+    draft_on_device: bool = False        # this rank also holds the MTP draft (counted in its plan)
+    compile: str = "off"                 # "off", "auto" (where it pays: CPU ranks) or "on": torch.compile'd
+                                         # forward (workers/compilation.py)
 
 
 def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
@@ -69,12 +78,6 @@ def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[
         raise DeviceConfigError(f"--quantization {quantization} runs on CPU ranks only (this rank: {device})")
     resolved = resolve_dtype(dtype, device, ckpt.matrix_types() if is_gguf else None, quantization)
     return resolved, weight_format_for(resolved, quantization, is_gguf) if device == "cpu" else None
-
-
-def cache_bytes(layers, num_blocks: int, block_size: int) -> int:
-    """Bytes the caches of ``layers`` (attention modules with ``cache_spec``) take for ``num_blocks``."""
-    return sum(math.prod(shape) * dtype.itemsize for layer in layers
-               for shape, dtype in layer.cache_spec(num_blocks, block_size))
 
 
 def allocate_caches(layers, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> int:
@@ -139,7 +142,8 @@ class ModelRunner:
             more scratch block follows them).
         weight_bytes / cache_bytes: memory held by weights and by the caches (with the
             recurrent-state pool, if any) on this rank.
-        memory: the rank's :class:`workers.device.MemoryPlan` (weights, activations, cache budget).
+        plan: the rank's :class:`workers.plan.RankPlan` (weights, reserves, KV budget and blocks),
+            made before any weight is read and, on CUDA, re-solved with the profiled measurements.
         num_state_slots: recurrent-state slots (hybrid models: ``max_num_seqs + 1``, one spare for
             ``EngineCore.prompt_logits`` probes; 0 otherwise).
 
@@ -163,19 +167,22 @@ class ModelRunner:
         self.block_size = config.block_size
         model_len = model_context_length(hf_config)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.memory: MemoryPlan | None = None
+        self.plan: RankPlan | None = None
+        self._plan_config: PlanConfig | None = None
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
-            keep_fp8=self.device.type == "cuda", before_load=self._check_fits, weight_format=weight_format)
+            keep_fp8=self.device.type == "cuda", before_load=self._plan_rank, weight_format=weight_format)
+        self.forward = self.model   # the compiled forward after allocate_kv_cache with --compile
+        self.compiled: CompiledForward | None = None
         self.weight_record = self.checkpoint.observer.record
-        if self.memory is not None and weight_format is not None:
-            self.memory.weights = self.weight_bytes   # the meta-device estimate counted them unpacked
         self.requests: dict[str, RequestState] = {}
+        self.controls: SamplingControls | None = None   # rank 0: penalties, logit_bias, ... (made on first use)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stager = DeviceStager(self.device)
         self.num_blocks, self.cache_bytes = 0, 0
         self.graphs = None
         self.last_hidden_states: torch.Tensor | None = None   # [T, hidden] of the last plan with return_hidden
+        self.draft_buffers = None   # rank 0 with MTP: the draft worker's shared buffers (workers/draft_buffers.py)
         self.state_layers = getattr(self.model, "state_layers", list)()
         self.num_state_slots = config.max_num_seqs + 1 if self.state_layers else 0
         self.state_cache: StateCache | None = None
@@ -187,76 +194,96 @@ class ModelRunner:
     # -- memory -------------------------------------------------------------------------------
     @property
     def graph_backend(self) -> str | None:
-        """``"cuda"``, ``"replay"`` or None (eager decode), from ``config.decode_graphs``."""
-        mode = self.config.decode_graphs
-        if mode == "replay":
-            return "replay"
-        if mode == "off" or self.config.enforce_eager or self.device.type != "cuda" or self.state_layers:
-            return None   # NOTE: hybrid models' recurrent-state steps run eagerly (not captured yet)
+        """``"cuda"``, ``"replay"`` or None (eager decode), from ``config.decode_graphs``
+        (:func:`workers.plan.decode_graph_backend`)."""
         from shardserve.kernels.dispatch import use_triton
 
-        # The torch references sync with the host (data-dependent shapes): not capturable.
-        return "cuda" if use_triton(torch.empty(0, device=self.device)) else None
+        return decode_graph_backend(self.config.decode_graphs, self.config.enforce_eager, self.device.type,
+                                    use_triton(torch.empty(0, device=self.device)))
 
-    def _check_fits(self, meta_model, weight_bytes: int) -> None:
-        """Before any weight is read: this rank's weights (and on CPU its cache budget) must fit."""
-        per_block = cache_bytes(meta_model.attention_layers(), 1, self.block_size)
-        if self.device.type == "cpu":
-            budget = (self.config.num_blocks * per_block if self.config.num_blocks is not None
-                      else self.config.kv_cache_bytes)
-            self.memory = cpu_cache_plan(budget, weight_bytes)
-            return
-        free, total = torch.cuda.mem_get_info(self.device)
-        util = self.config.gpu_memory_utilization
-        in_use = total - free
-        check_weights_fit(weight_bytes, int(util * total) - in_use,
-                          f"--gpu-memory-utilization {util} of {gib(total)} on {self.device} with {gib(in_use)} "
-                          "already in use", "use more tensor-parallel ranks or a smaller --dtype")
+    def plan_config(self) -> PlanConfig:
+        """This rank's :class:`workers.plan.PlanConfig`: the runner's settings, its device's size
+        (CUDA: the GPU's total times ``gpu_fraction``, with the memory in use now, the CUDA context,
+        NCCL and other processes, as memory outside torch; CPU: the host memory available)."""
+        from shardserve.kernels.dispatch import use_triton
 
-    def profile_memory(self) -> MemoryPlan:
-        """Profile one worst-case forward and set :attr:`memory` (CUDA: vLLM's rule; CPU: the
-        forward runs, nothing is measured)."""
-        from shardserve.workers.memory_profile import measure_cuda, profile_forward
+        cfg, overhead = self.config, None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            device_bytes = int(total * min(1.0, cfg.gpu_fraction))
+            overhead = total - free + LIBRARY_WORKSPACE_BYTES
+        else:
+            device_bytes = host_memory_available()
+        return PlanConfig(get_tp_group().tp_size, self.device.type, device_bytes, cfg.gpu_memory_utilization,
+                          cfg.kv_cache_bytes, cfg.num_blocks, self.block_size, self.max_model_len, cfg.max_num_seqs,
+                          cfg.max_num_batched_tokens, cfg.decode_graphs, cfg.enforce_eager,
+                          use_triton(torch.empty(0, device=self.device)), overhead)
+
+    def _plan_rank(self, meta_model, weight_bytes: int) -> None:
+        """Before any weight is read: plan this rank from its meta-device model (``workers/plan.py``,
+        the plan ``shardserve plan`` prints), log it, and stop unless its weights, reserves and one
+        KV block fit."""
+        draft = None
+        if self.config.draft_on_device:
+            from shardserve.workers.models.mtp import build_mtp_meta_model
+
+            draft = build_mtp_meta_model(self.hf_config, self.checkpoint, self.dtype)
+        self._plan_config = self.plan_config()
+        self.plan = plan_rank(meta_model, self._plan_config, get_tp_group().tp_rank, draft)
+        logger.info("plan: %s", self.plan.summary())
+        check_plan(self.plan)
+
+    def profile_memory(self) -> RankPlan:
+        """Run the largest step once (:meth:`workers.activation.StepShape.prefill`). On CUDA, measure
+        its peak and the memory held outside torch, and re-solve :attr:`plan` with them (the larger
+        of the measured and the planned activation reserve; a warning names an under-estimate). On
+        CPU the forward runs, nothing is measured.
+
+        Raises:
+            DoesNotFitError: the step cannot run in the free memory, or no KV block is left.
+        """
+        from shardserve.workers.activation import StepShape
+        from shardserve.workers.memory_profile import measure_cuda, run_step
 
         cfg = self.config
         allocate = lambda layers, blocks: allocate_caches(layers, blocks, self.block_size, self.device)  # noqa: E731
-        limits = (cfg.max_num_batched_tokens, self.max_model_len, cfg.max_num_seqs)
-        if self.device.type == "cuda":
-            self.memory = measure_cuda(self.model, self.device, cfg.gpu_memory_utilization, self.bytes_per_block,
-                                       self.block_size, *limits, allocate)
-        else:
-            profile_forward(self.model, self.device, self.block_size, *limits, allocate)
-        logger.info("rank %d memory: %s", get_tp_group().tp_rank, self.memory.summary() if self.memory else "-")
-        return self.memory
+        shape = StepShape.prefill(cfg.max_num_batched_tokens, self.max_model_len, cfg.max_num_seqs)
+        if self.device.type != "cuda":
+            run_step(self.model, self.device, shape, self.block_size, allocate)
+            return self.plan
+        planned = self.plan.activation_bytes
+        activation, other = measure_cuda(self.model, self.device, shape, self.block_size, allocate, planned)
+        if activation > planned:
+            logger.warning("rank %d: the profiled step peaked at %s above the weights, more than the %s "
+                           "workers/activation.py plans for it; the KV budget uses the measurement",
+                           get_tp_group().tp_rank, gib(activation), gib(planned))
+        self.plan.activation_bytes = max(planned, activation)
+        self.plan.overhead_bytes = other + LIBRARY_WORKSPACE_BYTES
+        self.plan.solve(self._plan_config)
+        logger.info("measured: %s", self.plan.summary())
+        check_plan(self.plan)
+        return self.plan
 
     @property
     def bytes_per_block(self) -> int:
-        """KV cache bytes one block takes on this rank, over all layers."""
-        return cache_bytes(self.model.attention_layers(), 1, self.block_size)
+        """KV cache bytes one block takes on this rank, over all layers (and the MTP draft's caches,
+        which share rank 0's device)."""
+        draft = self.plan.draft_bytes_per_token * self.block_size if self.config.draft_on_device else 0
+        return cache_bytes(self.model.attention_layers(), 1, self.block_size) + draft
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers)."""
-        return cache_bytes(self.state_layers, self.num_state_slots, 1)
+        """Bytes of the recurrent-state pool on this rank (0 for models without recurrent layers;
+        with decode graphs one scratch slot more)."""
+        return cache_bytes(self.state_layers, self.num_state_slots + (self.graph_backend is not None), 1)
 
     def max_num_blocks(self) -> int:
-        """Blocks that fit this rank's budget (``num_blocks`` when set; else what the CUDA profile's
-        or the CPU ``kv_cache_bytes`` budget leaves after the recurrent-state pool), less the
-        graphs' scratch block.
-
-        Raises:
-            ValueError: the state pool alone exceeds the budget.
-        """
+        """Blocks that fit this rank's budget: ``num_blocks`` when set, else :attr:`plan`'s
+        (the CUDA rule or the CPU ``kv_cache_bytes``, after the recurrent-state pool and the graphs'
+        scratch block)."""
         if self.config.num_blocks:
             return self.config.num_blocks
-        budget = self.memory.cache if self.device.type == "cuda" else self.config.kv_cache_bytes
-        left = budget - self.state_bytes
-        if self.state_layers and left < self.bytes_per_block:
-            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-gib"
-            raise ValueError(f"the recurrent-state pool ({self.num_state_slots} slots, {self.state_bytes / 2**20:.1f} "
-                             f"MiB) leaves no room for KV blocks in {budget / 2**20:.1f} MiB; "
-                             f"raise {flag} or lower --max-num-seqs")
-        return max(1, left // self.bytes_per_block - (self.graph_backend is not None))
+        return self.plan.kv_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every layer's cache tensors on the device (every rank
@@ -266,17 +293,63 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache_bytes = allocate_caches(self.model.attention_layers(), num_blocks + (backend is not None),
                                            self.block_size, self.device)
-        if self.state_layers:   # one state slot per sequence, beside the KV cache (same allocator)
-            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots, 1, self.device)
-            self.state_cache = StateCache(self.state_layers)
+        if self.state_layers:   # one state slot per sequence (+ the graphs' scratch slot), beside the KV cache
+            self.cache_bytes += allocate_caches(self.state_layers, self.num_state_slots + (backend is not None), 1,
+                                                self.device)
+            self.state_cache = StateCache(self.state_layers, self.num_state_slots)
             logger.info("rank %d: recurrent-state pool %.1f MiB in %d slots", get_tp_group().tp_rank,
                         self.state_bytes / 2**20, self.num_state_slots)
-        memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
         logger.info("rank %d on %s (%s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in %d blocks of %d "
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
-                    memory.weights / 2**20, memory.activation / 2**20, self.cache_bytes / 2**20, num_blocks,
-                    self.block_size)
+                    self.weight_bytes / 2**20, self.plan.activation_bytes / 2**20, self.cache_bytes / 2**20,
+                    num_blocks, self.block_size)
+        self.compile_forward()
         self.capture_graphs()
+        self.check_memory_held()
+
+    def check_memory_held(self) -> None:
+        """After KV allocation and graph capture: log what this rank holds against its plan; on
+        CUDA the device's used memory (this process and any other) must stay within
+        ``--gpu-memory-utilization`` of it.
+
+        Raises:
+            DoesNotFitError: more is in use than the plan's capacity (the message names the parts).
+        """
+        rank, plan = get_tp_group().tp_rank, self.plan
+        graphs = sum(t.numel() * t.element_size() for _, t in self.graphs.named_tensors()) if self.graphs else 0
+        if self.device.type != "cuda":
+            logger.info("rank %d holds weights %s, caches %s, graph buffers %s (planned: weights %s, KV budget %s)",
+                        rank, gib(self.weight_bytes), gib(self.cache_bytes), gib(graphs), gib(plan.weight_bytes),
+                        gib(plan.kv_budget_bytes))
+            return
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        held, allocated = total - free, torch.cuda.memory_allocated(self.device)
+        parts = (f"weights {gib(self.weight_bytes)}, caches {gib(self.cache_bytes)}, other torch tensors and graph "
+                 f"pools {gib(allocated - self.weight_bytes - self.cache_bytes)}, torch's cache "
+                 f"{gib(torch.cuda.memory_reserved(self.device) - allocated)}, outside torch "
+                 f"{gib(held - torch.cuda.memory_reserved(self.device))}")
+        logger.info("rank %d after KV allocation and graph capture: %s in use of the %s allowed (%s)", rank,
+                    gib(held), gib(plan.capacity), parts)
+        if held > plan.capacity:
+            from shardserve.workers.device import DoesNotFitError
+
+            raise DoesNotFitError(
+                f"rank {rank} uses {gib(held)} of {self.device} after KV allocation and graph capture, more than "
+                f"--gpu-memory-utilization {self.config.gpu_memory_utilization} x {gib(plan.device_bytes)} = "
+                f"{gib(plan.capacity)} ({parts}): the plan under-counts this rank by {gib(held - plan.capacity)}; run with "
+                "--enforce-eager (no graph pool) or a lower --max-num-seqs, and report it")
+
+    def compile_forward(self) -> None:
+        """With ``--compile`` on for this device: compile the forward now (a warm-up step on the
+        scratch-free first block; a cache hit when this model shape was compiled before), so no
+        request pays for it."""
+        if self.compiled is not None or not use_compile(self.config.compile, self.device):
+            return
+        self.compiled = CompiledForward(self.model, self.model.forward)
+        self.forward = self.compiled
+        self.compiled.warm_up(self.model, self.block_size, self.device)
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs on the allocated caches, when this runner uses them (again
@@ -285,16 +358,18 @@ class ModelRunner:
         if backend is not None:
             from shardserve.workers.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs, self.max_model_len,
-                                       self.block_size, self.num_blocks, backend)
+            self.graphs = DecodeGraphs(self.forward, self.device, self.config.max_num_seqs, self.max_model_len,
+                                       self.block_size, self.num_blocks, backend,
+                                       self.num_state_slots if self.state_layers else None)
             self.graphs.capture()
 
     def memory_info(self) -> dict:
-        """Bytes per rank for the coordinator's log: weights, activations, other, cache."""
-        memory = self.memory or MemoryPlan(str(self.device), 0, self.weight_bytes)
+        """Bytes per rank for the coordinator's log: weights, activations, other, cache, and the
+        plan's summary line."""
+        plan = self.plan
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "weights": memory.weights or self.weight_bytes, "activation": memory.activation,
-                "other": memory.other, "cache": self.cache_bytes}
+                "weights": self.weight_bytes, "activation": plan.activation_bytes, "other": plan.overhead_bytes,
+                "cache": self.cache_bytes, "plan": plan.summary()}
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor the runner keeps between steps: parameters, buffers, cache tensors, the
@@ -318,44 +393,64 @@ class ModelRunner:
             wrong.append(f"generator: {self.generator.device}")
         return wrong
 
+    def attach_draft_buffers(self, buffers) -> None:
+        """Rank 0 with MTP speculation: write hidden states into, and read draft distributions from,
+        the draft worker's :class:`workers.draft_buffers.DraftBuffers` (no host copy per step)."""
+        self.draft_buffers = buffers
+
     # -- one step -----------------------------------------------------------------------------
     def _apply_plan(self, plan: StepPlan) -> None:
         apply_request_diffs(self.requests, plan.finished_req_ids, plan.new_requests, plan.scheduled)
-        holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
-        if holes:
-            self._fill_placeholders(holes)
+        if get_tp_group().tp_rank == 0:
+            self._track_controls(plan)
 
-    def _fill_placeholders(self, holes: list) -> None:
-        """Async scheduling: put rank 0's last sample of each request in its decode's placeholder.
-        Other ranks get them from rank 0 in one all-reduce of ``[len(holes)]`` int64 (zeros elsewhere;
-        exact on every backend: ids are far below 2**24, the shm backend sums in float32).
-
-        Raises:
-            RuntimeError: rank 0 never sampled for one of them (a coordinator bug).
-        """
-        group = get_tp_group()
-        if group.tp_rank == 0:
-            tokens = [self.requests[sched.req_id].last_sampled for sched in holes]
-            if PLACEHOLDER_TOKEN in tokens:
-                missing = holes[tokens.index(PLACEHOLDER_TOKEN)].req_id
-                raise RuntimeError(f"the plan has a placeholder for {missing!r}, which rank 0 never sampled")
-        else:
-            tokens = [0] * len(holes)
-        if group.tp_size > 1:
-            tokens = group.all_reduce(torch.tensor(tokens, dtype=torch.int64, device=self.device)).tolist()
-        for sched, token in zip(holes, tokens):
-            sched.token_ids[-1] = token
+    def _track_controls(self, plan: StepPlan) -> None:
+        """Rank 0: forget finished requests' control state, take it for new ones that have controls."""
+        if self.controls is not None:
+            for req_id in plan.finished_req_ids:
+                self.controls.remove(req_id)
+        for new in plan.new_requests:
+            if new.sampling.has_controls:
+                if self.controls is None:
+                    self.controls = SamplingControls(self.hf_config.vocab_size, self.device)
+                self.controls.add(new.req_id, new.sampling, new.token_ids or [], new.num_prompt_tokens)
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
-        return build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
+        """The step's host layout; placeholders (async scheduling) hold rank 0's last samples on rank
+        0 and 0 elsewhere, their rows kept in ``placeholder_rows`` when ranks must share them.
+
+        Raises:
+            RuntimeError: rank 0 never sampled for a placeholder's request (a coordinator bug).
+        """
+        host = build_host_batch(plan, {s.req_id: self.requests[s.req_id].block_ids for s in plan.scheduled},
                                 self.block_size)
+        if not host.placeholder_rows:
+            return host
+        group = get_tp_group()
+        if group.tp_rank == 0:
+            holes = [sched for sched in plan.scheduled if sched.token_ids[-1] == PLACEHOLDER_TOKEN]
+            for row, sched in zip(host.placeholder_rows, holes):
+                token = self.requests[sched.req_id].last_sampled
+                if token == PLACEHOLDER_TOKEN:
+                    raise RuntimeError(f"the plan has a placeholder for {sched.req_id!r}, which rank 0 never sampled")
+                host.input_ids[row] = token
+        if group.tp_size == 1:
+            host.placeholder_rows = []
+        return host
+
+    @staticmethod
+    def _share_placeholders(input_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Async scheduling at TP > 1: every rank's ``input_ids[rows]`` become rank 0's (the other
+        ranks hold 0 there) in one all-reduce on the device: no host round trip on any rank (exact on
+        every backend: ids are far below 2**24, the shm backend sums in float32)."""
+        input_ids.index_copy_(0, rows, get_tp_group().all_reduce(input_ids.index_select(0, rows)))
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
         return self._device_inputs(self._host_batch(plan), plan)
 
     def _device_inputs(self, host: HostBatch, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        input_ids, meta, rows = device_batch(host, self.stager)
+        input_ids, meta, rows = device_batch(host, self.stager, self._share_placeholders)
         if self.state_cache is not None:   # hybrid models: the recurrent-state slots of this step
             meta.state = self.state_cache.begin_step(plan)
         return input_ids, meta, rows
@@ -371,29 +466,58 @@ class ModelRunner:
             return torch.empty(0, self.hf_config.vocab_size, device=self.device)
         host = self._host_batch(plan)
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
-            hidden, rows = self.graphs.run(host, self.stager), None
+            state_slots = None if self.state_cache is None else self.state_cache.begin_decode(plan)
+            hidden, rows = self.graphs.run(host, self.stager, state_slots, self._share_placeholders), None
         else:
             input_ids, meta, rows = self._device_inputs(host, plan)
             with forward_context(meta):
-                hidden = self.model(input_ids, meta.positions)
+                hidden = self.forward(input_ids, meta.positions)
         if plan.return_hidden:
             self.last_hidden_states = hidden.clone() if rows is None else hidden
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _process_logits(self, logits: torch.Tensor, sampling: list) -> torch.Tensor:
+        """Rank 0: the logits sampling draws from (``workers/logits_processors.py``): grammar masks
+        and sampling controls applied to a copy; ``logits`` itself when nothing applies (they stay
+        the raw model logits, which logprobs report)."""
+        masked = any(s.token_bitmask is not None for s in sampling)
+        controlled = self.controls is not None and any(s.req_id in self.controls.requests for s in sampling)
+        if not masked and not controlled:
+            return logits
+        processed = logits.clone()
+        apply_token_bitmasks(processed, sampling)
+        if controlled:
+            self.controls.apply(processed, sampling)
+        return processed
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Rank 0 returns the sampled tokens (host data); other ranks return None."""
         logits = self.compute_logits(plan)
         if get_tp_group().tp_rank != 0:
             return None
+        hidden = self.last_hidden_states
+        if hidden is not None and self.draft_buffers is not None:
+            # the draft reads them there; queued before the sampler's read-back, so done when this returns
+            assert hidden.shape[0] <= self.draft_buffers.hidden.shape[0], \
+                f"{hidden.shape[0]} tokens in a step, the draft's hidden buffer holds {self.draft_buffers.hidden.shape[0]}"
+            self.draft_buffers.hidden[:hidden.shape[0]].copy_(hidden)
+            hidden = None
+            if self.device.type == "cuda" and not any(s.sample for s in plan.scheduled):
+                torch.cuda.current_stream(self.device).synchronize()   # no read-back follows to wait for it
         sampling = [s for s in plan.scheduled if s.sample]
         options = [self.requests[s.req_id].sampling for s in sampling]
+        processed = self._process_logits(logits, sampling)
         if any(s.num_spec_tokens for s in sampling):
-            sampled = sample_with_drafts(logits, sampling, options, self.generator)
+            buffers = self.draft_buffers
+            sampled = sample_with_drafts(processed, sampling, options, None if buffers is None else buffers.probs,
+                                         self.generator, logprob_logits=logits)
         else:
-            tokens, logprobs = sample(logits, options, [s.output_index for s in sampling], self.generator)
+            tokens, logprobs = sample_on_device(processed, options, [s.output_index for s in sampling],
+                                                self.generator, logprob_logits=logits)
             sampled = sampled_tokens([s.req_id for s in sampling], tokens, logprobs, options)
         for token in sampled:   # in order: a request's last entry is its newest token
             self.requests[token.req_id].last_sampled = token.token_id
-        hidden = self.last_hidden_states
+        if self.controls is not None:
+            self.controls.record(sampled)
         return StepResult(sampled, logits.cpu() if plan.return_logits else None,
                           None if hidden is None else hidden.float().cpu())

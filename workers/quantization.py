@@ -160,21 +160,31 @@ class WeightFormat:
     keep_gguf: bool = True
     quantize: str | None = None
 
-    def integer_form(self, tensor, embedding: bool = False) -> QuantizedWeight | None:
-        """The whole checkpoint ``tensor`` (a ``LazyTensor``) in integer form, or None to load it as
-        floats. Embeddings / LM heads take only the int8 form (one scale per vocab row also serves
-        the lookup); ``--quantization int4`` stores them as int8."""
-        if self.keep_gguf and tensor.quant_type in PACKED_GGUF_TYPES:
-            if embedding and tensor.quant_type != "Q8_0":
+    def integer_kind(self, quant_type: str | None, shape: tuple[int, ...], embedding: bool = False) -> str | None:
+        """The kind of integer form (``"int4"`` / ``"int8"``) a checkpoint tensor gets, or None to load it as
+        floats, from its metadata only: GGUF type ``quant_type`` (None: a float tensor) and full ``shape``.
+        Embeddings / LM heads take only the int8 form (one scale per vocab row also serves the lookup);
+        ``--quantization int4`` stores them as int8. The meta-device build decides each layer's format
+        with it before any weight is read (:func:`workers.layers.quantized.apply_weight_format`)."""
+        if self.keep_gguf and quant_type in PACKED_GGUF_TYPES:
+            if embedding and quant_type != "Q8_0":
                 return None
-            return tensor.quantized()
-        if self.quantize is None or tensor.quant_type is not None or len(tensor.shape) != 2:
+            return "int8" if quant_type == "Q8_0" else "int4"
+        if self.quantize is None or quant_type is not None or len(shape) != 2:
             return None
         if embedding or self.quantize == "int8":
-            return quantize_int8(tensor.load())
-        if tensor.shape[1] % GROUP_SIZE:
+            return "int8"
+        return None if shape[1] % GROUP_SIZE else "int4"
+
+    def integer_form(self, tensor, embedding: bool = False) -> QuantizedWeight | None:
+        """The whole checkpoint ``tensor`` (a ``LazyTensor``) in integer form (the kind
+        :meth:`integer_kind` names), or None to load it as floats."""
+        kind = self.integer_kind(tensor.quant_type, tuple(tensor.shape), embedding)
+        if kind is None:
             return None
-        return quantize_int4(tensor.load())
+        if tensor.quant_type is not None:
+            return tensor.quantized()
+        return quantize_int8(tensor.load()) if kind == "int8" else quantize_int4(tensor.load())
 
 
 def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool) -> WeightFormat | None:

@@ -6,23 +6,16 @@ its noise from a generator keyed by ``(seed, output_index)``, so its tokens do n
 other requests share the batch, on preemption, or on how many steps it took.
 Filter order follows transformers' logits warpers: temperature, top-k, top-p, min-p.
 
-Speculative decoding (:func:`sample_with_drafts`) verifies draft tokens with standard speculative
-rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", Algorithm 1; Chen et al. 2023): draft ``d_j ~ q_j`` is kept with probability
-``min(1, p_j(d_j) / q_j(d_j))``; the first rejected one is replaced by a sample of
-``norm(max(0, p_j - q_j))``; when all are kept a bonus token is drawn from ``p_{k+1}``. The emitted
-tokens are distributed exactly as plain sampling from ``p`` (the filtered target distribution).
-Greedy requests keep the longest prefix of drafts equal to the target's argmax. Output token
-``i`` of a seeded request uses the generator of ``(seed, i)`` for its accept test and its
-residual/bonus draw, and the draft model samples from a separate ``(seed, i)`` stream, so each
-random number decides one output token exactly once and runs are reproducible.
+Speculative decoding's draft sampling and verification (rejection sampling) live in
+``workers/rejection_sampler.py``; they draw from the same filtered distributions
+(:func:`sampling_probs`) and seeded streams (:func:`seeded_generator`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardserve.workers.messages import SampledToken, SamplingOptions, ScheduledRequest
+from shardserve.workers.messages import SampledToken, SamplingOptions
 
 _GREEDY_EPS = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant; spreads (seed, index) over the 63-bit seed space
@@ -63,6 +56,24 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def _row_params(options: list[SamplingOptions], rows: list[int], device: torch.device) -> torch.Tensor:
+    """``[5, N]`` float32 on ``device``: per row its temperature, top-k, top-p, min-p and its row
+    index ``rows[i]``, in one copy (from pinned memory on CUDA: the host does not wait)."""
+    host = torch.tensor([[o.temperature, o.top_k, o.top_p, o.min_p, row] for o, row in zip(options, rows)],
+                        dtype=torch.float32).T.contiguous()
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _probs(logits: torch.Tensor, options: list[SamplingOptions], params: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p, then softmax, per row (``params``: :func:`_row_params`)."""
+    scaled = logits / params[0][:, None]
+    if any(o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 for o in options):
+        scaled = filter_logits(scaled, params[1].long(), params[2], params[3])
+    return scaled.softmax(dim=-1)
+
+
 def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
     """The distribution each (non-greedy) row samples from: temperature, then top-k/top-p/min-p.
 
@@ -72,186 +83,89 @@ def sampling_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
     Returns:
         ``[N, V]`` float32 probabilities (zero outside each row's kept set).
     """
-    device = logits.device
-    scaled = logits / torch.tensor([o.temperature for o in options], device=device)[:, None]
-    if any(o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 for o in options):
-        scaled = filter_logits(scaled, torch.tensor([o.top_k for o in options], device=device),
-                               torch.tensor([o.top_p for o in options], device=device),
-                               torch.tensor([o.min_p for o in options], device=device))
-    return scaled.softmax(dim=-1)
+    return _probs(logits, options, _row_params(options, list(range(len(options))), logits.device))
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs [V]`` (unnormalized is fine) by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+def _noise(options: list[SamplingOptions], output_indices: list[int], vocab: int, device: torch.device,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """``Exp(1)`` noise ``[N, V]`` for the exponential race of ``N`` random rows: the unseeded ones
+    from one draw of ``generator`` (in row order), a seeded one from its ``(seed, output index)``
+    generator; assembled by one ``cat``."""
+    unseeded = sum(o.seed is None for o in options)
+    if unseeded == len(options):
+        return torch.empty(unseeded, vocab, device=device).exponential_(generator=generator)
+    shared = iter(torch.empty(unseeded, vocab, device=device).exponential_(generator=generator) if unseeded else ())
+    return torch.cat([next(shared)[None] if o.seed is None else   # a seeded row: (seed, output index) only
+                      torch.empty(1, vocab, device=device).exponential_(
+                          generator=seeded_generator(o.seed, index, device=device))
+                      for o, index in zip(options, output_indices)])
 
 
-def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-           generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
-    """Draw one token per row.
+def sample_on_device(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
+                     generator: torch.Generator | None = None, logprob_logits: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row, on the logits' device, without reading anything back: greedy rows
+    take the argmax, the others race their filtered probabilities against ``Exp(1)`` noise (no
+    Python branching on device values; the random rows' settings and indices cross in one copy).
 
     Args:
-        logits: ``[N, V]`` float32 raw model logits.
+        logits: ``[N, V]`` float32 model logits (after grammar masks and penalties, if any).
         options: per-row sampling options.
         output_indices: per-row index of the output token being drawn (seeded streams).
         generator: source of noise for unseeded rows (None: torch's default).
+        logprob_logits: ``[N, V]`` the raw logits whose logprobs are reported (default: ``logits``).
 
     Returns:
-        ``(token ids, log_softmax of the raw logits [N, V] or an empty tensor if no row asked)``.
+        ``(token ids [N] int64, log_softmax of the raw logits [N, V] or an empty tensor if no row
+        asked)``, both on the logits' device.
     """
-    num_rows = logits.shape[0]
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, o in enumerate(options) if o.temperature > _GREEDY_EPS]
+    random_rows = [i for i, o in enumerate(options) if not is_greedy(o)]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
         opts = [options[i] for i in random_rows]
-        probs = sampling_probs(logits[idx], opts)
-        noise = torch.empty_like(probs)
-        unseeded = [row for row, o in enumerate(opts) if o.seed is None]
-        if unseeded:   # one draw for all rows that share the engine's generator
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=generator)
-        for row, (i, o) in enumerate(zip(random_rows, opts)):
-            if o.seed is not None:   # a seeded row's noise depends only on (seed, output index)
-                noise[row].exponential_(generator=seeded_generator(o.seed, output_indices[i], device=logits.device))
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        params = _row_params(opts, random_rows, logits.device)
+        every_row = len(random_rows) == len(options)
+        rows = params[4].long()
+        probs = _probs(logits if every_row else logits.index_select(0, rows), opts, params)
+        noise = _noise(opts, [output_indices[i] for i in random_rows], logits.shape[1], logits.device, generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = sampled if every_row else tokens.index_copy(0, rows, sampled)
     want_logprobs = any(o.logprobs is not None for o in options)
-    logprobs = logits.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
-    assert tokens.shape[0] == num_rows
+    raw = logits if logprob_logits is None else logprob_logits
+    return tokens, raw.log_softmax(dim=-1) if want_logprobs else logits.new_empty(0)
+
+
+def sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
+           generator: torch.Generator | None = None, logprob_logits: torch.Tensor | None = None,
+           ) -> tuple[list[int], torch.Tensor]:
+    """:func:`sample_on_device` with the token ids read back: ``(token ids, logprobs [N, V] or an
+    empty tensor)``."""
+    tokens, logprobs = sample_on_device(logits, options, output_indices, generator, logprob_logits)
     return tokens.tolist(), logprobs
 
 
-def sampled_tokens(req_ids: list[str], tokens: list[int], logprobs: torch.Tensor,
+def sampled_tokens(req_ids: list[str], tokens: list[int] | torch.Tensor, logprobs: torch.Tensor,
                    options: list[SamplingOptions]) -> list[SampledToken]:
     """Pack sampler output with the logprobs each request asked for.
 
-    The chosen tokens' logprobs and every row's top-N are picked on the logits' device and cross
-    to the host in one transfer (not one per row).
+    ``tokens`` may be host ids or the device ids of :func:`sample_on_device`: the tokens, the chosen
+    tokens' logprobs and every row's top-N cross to the host in one transfer.
     """
-    wanted = [row for row, opt in enumerate(options) if opt.logprobs is not None]
-    chosen: list[float] = []
-    top_ids: list[list[int]] = []
-    top_values: list[list[float]] = []
-    if wanted:
-        rows = logprobs[torch.tensor(wanted, device=logprobs.device)]                # [W, V]
-        picked = rows.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=rows.device))
-        width = max(options[r].logprobs for r in wanted)
-        values, ids = rows.topk(width, dim=-1) if width else (rows[:, :0], rows[:, :0].long())
-        host = torch.cat((picked, values), dim=1).cpu()                               # [W, 1 + width]
-        chosen, top_values, top_ids = host[:, 0].tolist(), host[:, 1:].tolist(), ids.cpu().tolist()
+    if all(opt.logprobs is None for opt in options):
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        return [SampledToken(req_id, token) for req_id, token in zip(req_ids, ids)]
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.tensor(tokens, device=logprobs.device)
+    width = max(opt.logprobs or 0 for opt in options)
+    picked = logprobs.gather(1, tokens[:, None])                                           # [N, 1]
+    values, ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0].long())
+    # NOTE: float64 holds every token id exactly: one [N, 2 + 2 * width] transfer.
+    host = torch.cat((tokens[:, None].double(), picked.double(), values.double(), ids.double()), dim=1).cpu().tolist()
     out = []
-    slot = {row: i for i, row in enumerate(wanted)}
-    for row, (req_id, token, opt) in enumerate(zip(req_ids, tokens, options)):
+    for req_id, row, opt in zip(req_ids, host, options):
         if opt.logprobs is None:
-            out.append(SampledToken(req_id, token))
+            out.append(SampledToken(req_id, int(row[0])))
             continue
-        i, count = slot[row], opt.logprobs
-        out.append(SampledToken(req_id, token, chosen[i], list(zip(top_ids[i][:count], top_values[i][:count]))))
+        top = list(zip((int(i) for i in row[2 + width:2 + width + opt.logprobs]), row[2:2 + opt.logprobs]))
+        out.append(SampledToken(req_id, int(row[0]), row[1], top))
     return out
-
-
-def draft_sample(logits: torch.Tensor, options: list[SamplingOptions], output_indices: list[int],
-                 generator: torch.Generator | None = None) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The draft model's proposals: argmax for greedy rows, else a draw from ``q`` = the row's
-    filtered distribution (recorded for rejection sampling).
-
-    Args:
-        logits: ``[N, V]`` float32 draft logits. options / output_indices: per row.
-        generator: noise for unseeded rows.
-
-    Returns:
-        ``(token ids, per row q [V] float32 or None for greedy rows)``.
-    """
-    tokens, probs = logits.argmax(dim=-1).tolist(), [None] * logits.shape[0]
-    random_rows = [i for i, o in enumerate(options) if not is_greedy(o)]
-    if random_rows:
-        q = sampling_probs(logits[torch.tensor(random_rows, device=logits.device)], [options[i] for i in random_rows])
-        for row, i in enumerate(random_rows):
-            seed = options[i].seed
-            gen = generator if seed is None else seeded_generator(seed, output_indices[i], DRAFT_STREAM, logits.device)
-            tokens[i], probs[i] = _race(q[row], gen), q[row]
-    return tokens, probs
-
-
-def verify_drafts(logits: torch.Tensor, option: SamplingOptions, draft_ids: list[int],
-                  draft_probs: torch.Tensor | None, output_index: int,
-                  generator: torch.Generator | None = None) -> list[int]:
-    """Accept a prefix of one request's drafts and add the bonus or corrected token.
-
-    Args:
-        logits: ``[k + 1, V]`` float32 target logits; row ``j`` scores the token after the
-            ``j``-th draft (row 0: after the last accepted token).
-        option: the request's sampling settings.
-        draft_ids: the ``k`` draft tokens.
-        draft_probs: ``[k, V]`` float32 draft distributions q (None allowed only when greedy).
-        output_index: output index of the first token emitted here.
-        generator: noise for an unseeded request.
-
-    Returns:
-        ``a + 1`` token ids: the ``a`` accepted drafts, then the corrected (or bonus) token.
-    """
-    num_drafts = len(draft_ids)
-    assert logits.shape[0] == num_drafts + 1, f"{logits.shape[0]} logit rows for {num_drafts} drafts"
-    if is_greedy(option):
-        target = logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < num_drafts and draft_ids[accepted] == target[accepted]:
-            accepted += 1
-        return draft_ids[:accepted] + [target[accepted]]
-    assert draft_probs is not None and draft_probs.shape[0] == num_drafts, "sampled drafts need q"
-    probs = sampling_probs(logits, [option] * (num_drafts + 1))
-    out = []
-    device = logits.device
-    for j, draft in enumerate(draft_ids):
-        gen = generator if option.seed is None else seeded_generator(option.seed, output_index + j, device=device)
-        p, q = probs[j], draft_probs[j].to(device=device, dtype=probs.dtype)
-        if torch.rand((), generator=gen, device=device) * q[draft] < p[draft]:      # u < p/q, without dividing by 0
-            out.append(draft)
-            continue
-        residual = (p - q).clamp_(min=0.0)
-        out.append(_race(residual if residual.sum() > 0 else p, gen))
-        return out
-    gen = generator if option.seed is None else seeded_generator(option.seed, output_index + num_drafts, device=device)
-    out.append(_race(probs[num_drafts], gen))
-    return out
-
-
-def sample_with_drafts(logits: torch.Tensor, sampling: list[ScheduledRequest], options: list[SamplingOptions],
-                       generator: torch.Generator | None = None) -> list[SampledToken]:
-    """Rank 0's sampling for a step in which some requests verify drafts.
-
-    Args:
-        logits: ``[sum(1 + num_spec_tokens), V]`` float32: per sampling request, its
-            ``num_spec_tokens + 1`` last rows in order.
-        sampling: the plan's sampling requests. options: their settings.
-        generator: noise for unseeded requests.
-
-    Returns:
-        Per request, in order: its accepted drafts and then one sampled token (plain requests: one).
-    """
-    starts, plain = [], []
-    row = 0
-    for i, sched in enumerate(sampling):
-        starts.append(row)
-        if sched.num_spec_tokens == 0:
-            plain.append(i)
-        row += 1 + sched.num_spec_tokens
-    assert row == logits.shape[0], f"{logits.shape[0]} logit rows, expected {row}"
-    per_request: list[list[SampledToken]] = [[] for _ in sampling]
-    if plain:
-        opts = [options[i] for i in plain]
-        tokens, logprobs = sample(logits[torch.tensor([starts[i] for i in plain], device=logits.device)], opts,
-                                  [sampling[i].output_index for i in plain], generator)
-        for i, out in zip(plain, sampled_tokens([sampling[i].req_id for i in plain], tokens, logprobs, opts)):
-            per_request[i] = [out]
-    for i, sched in enumerate(sampling):
-        num_spec = sched.num_spec_tokens
-        if num_spec == 0:
-            continue
-        rows = logits[starts[i]:starts[i] + num_spec + 1]
-        tokens = verify_drafts(rows, options[i], sched.token_ids[-num_spec:], sched.draft_probs,
-                               sched.output_index, generator)
-        logprobs = rows[:len(tokens)].log_softmax(dim=-1) if options[i].logprobs is not None else rows.new_empty(0)
-        per_request[i] = sampled_tokens([sched.req_id] * len(tokens), tokens, logprobs, [options[i]] * len(tokens))
-    return [token for tokens in per_request for token in tokens]

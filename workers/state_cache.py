@@ -85,16 +85,19 @@ class StateCache:
 
     Args:
         layers: recurrent modules in model order; each has ``kv_cache = (conv_state, ssm_state)``
-            already allocated (``[num_slots, C, W - 1]`` and ``[num_slots, Hv, K, V]``) and gets
+            already allocated (``[S, C, W - 1]`` and ``[S, Hv, K, V]``) and gets
             ``state_index`` (its key in :attr:`StateMetadata.snapshots`).
+        num_slots: slots requests may hold (default ``S``; with decode graphs the pool has one more,
+            the graphs' scratch slot for padded rows, which no request gets).
     """
 
-    def __init__(self, layers) -> None:
+    def __init__(self, layers, num_slots: int | None = None) -> None:
         self.layers = list(layers)
         for index, layer in enumerate(self.layers):
             layer.state_index = index
         conv, ssm = self.layers[0].kv_cache
-        self.num_slots, self.device = conv.shape[0], conv.device
+        self.num_slots, self.device = num_slots or conv.shape[0], conv.device
+        assert self.num_slots <= conv.shape[0], f"{self.num_slots} slots in a pool of {conv.shape[0]}"
         self.seqs: dict[str, _SlotState] = {}
         self._owner: dict[int, str] = {}     # slot -> request id holding it here
 
@@ -165,6 +168,36 @@ class StateCache:
             ValueError: a new request without a valid slot.
             RuntimeError: a slot's state does not hold exactly the tokens before its step.
         """
+        slots, lens, chunked, recurrent, verifies = self._advance(plan)
+        starts = [0]
+        for length in lens:
+            starts.append(starts[-1] + length)
+        meta = StateMetadata(self._tensor(starts), self._tensor(slots), self._group(chunked, starts, slots),
+                             self._group(recurrent, starts, slots), keep=bool(verifies))
+        offsets = [0]
+        for i in recurrent:
+            offsets.append(offsets[-1] + lens[i])
+        for seq, row in verifies:
+            seq.verify = _Verify(seq.num_tokens - lens[recurrent[row]], lens[recurrent[row]], row, offsets[row],
+                                 meta.snapshots)
+        return meta
+
+    def begin_decode(self, plan: StepPlan) -> list[int]:
+        """:meth:`begin_step` for a step in which every sequence decodes one token and none verifies
+        drafts (the step decode graphs replay): the bookkeeping only; returns each sequence's slot
+        (the graph reads them from its fixed buffer).
+
+        Raises:
+            as :meth:`begin_step`.
+        """
+        slots, lens, chunked, _, verifies = self._advance(plan)
+        assert not chunked and not verifies and all(n == 1 for n in lens), \
+            f"not a plain decode step: lens {lens}, {len(verifies)} verifying"
+        return slots
+
+    def _advance(self, plan: StepPlan) -> tuple[list[int], list[int], list[int], list[int], list]:
+        """The bookkeeping of a step: ``(slots, token counts, chunked rows, recurrent rows,
+        [(seq, row in the recurrent group)] of verify steps)``."""
         for req_id in plan.finished_req_ids:
             self._forget(req_id)
         for new in plan.new_requests:
@@ -196,18 +229,7 @@ class StateCache:
                 if sched.num_spec_tokens:
                     verifies.append((seq, len(recurrent)))
                 recurrent.append(i)
-        starts = [0]
-        for length in lens:
-            starts.append(starts[-1] + length)
-        meta = StateMetadata(self._tensor(starts), self._tensor(slots), self._group(chunked, starts, slots),
-                             self._group(recurrent, starts, slots), keep=bool(verifies))
-        offsets = [0]
-        for i in recurrent:
-            offsets.append(offsets[-1] + lens[i])
-        for seq, row in verifies:
-            seq.verify = _Verify(seq.num_tokens - lens[recurrent[row]], lens[recurrent[row]], row, offsets[row],
-                                 meta.snapshots)
-        return meta
+        return slots, lens, chunked, recurrent, verifies
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)

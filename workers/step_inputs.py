@@ -10,11 +10,13 @@ On CPU the packed tensor is used as is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from shardserve.workers.forward_context import AttentionMetadata
+from shardserve.workers.messages import PLACEHOLDER_TOKEN
 
 
 @dataclass(slots=True)
@@ -30,6 +32,9 @@ class HostBatch:
     logits_rows: list[int]        # rows of the packed tokens whose logits are computed
     max_query_len: int
     max_seq_len: int
+    placeholder_rows: list[int] = field(default_factory=list)  # rows whose token rank 0 shares (async
+                                                                # scheduling); input_ids holds 0 there
+                                                                # except on rank 0
 
     @property
     def num_seqs(self) -> int:
@@ -45,13 +50,21 @@ def build_host_batch(plan, block_ids: dict[str, list[int]], block_size: int) -> 
     """Lay out ``plan``'s scheduled work (``block_ids``: each request's block table).
 
     The last row of every sampling request needs logits, plus one more per draft token it verifies.
+    A token still :data:`PLACEHOLDER_TOKEN` (a rank other than 0 under async scheduling) is laid
+    out as 0 and its row listed in ``placeholder_rows``.
     """
     input_ids, positions, slots, query_start, seq_lens, logits_rows, tables = [], [], [], [0], [], [], []
+    placeholder_rows = []
     for sched in plan.scheduled:
         num = len(sched.token_ids)
         table = block_ids[sched.req_id]
         span = range(sched.start_pos, sched.start_pos + num)
-        input_ids.extend(sched.token_ids)
+        if sched.token_ids[-1] == PLACEHOLDER_TOKEN:
+            placeholder_rows.append(query_start[-1] + num - 1)
+            input_ids.extend(sched.token_ids[:-1])
+            input_ids.append(0)
+        else:
+            input_ids.extend(sched.token_ids)
         positions.extend(span)
         slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in span)
         query_start.append(query_start[-1] + num)
@@ -62,7 +75,7 @@ def build_host_batch(plan, block_ids: dict[str, list[int]], block_size: int) -> 
     width = max(len(t) for t in tables)
     return HostBatch(input_ids, positions, slots, query_start, seq_lens,
                      [t + [0] * (width - len(t)) for t in tables], logits_rows,
-                     max(len(s.token_ids) for s in plan.scheduled), max(seq_lens))
+                     max(len(s.token_ids) for s in plan.scheduled), max(seq_lens), placeholder_rows)
 
 
 class DeviceStager:
@@ -98,17 +111,24 @@ class DeviceStager:
         return dst
 
 
-def device_batch(host: HostBatch, stager: DeviceStager) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+def device_batch(host: HostBatch, stager: DeviceStager,
+                 share_tokens: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
     """The model's inputs on the stager's device: ``(input_ids [T], metadata, logits_rows [R])``,
-    all views of one uploaded tensor (block tables as int32)."""
+    all views of one uploaded tensor (block tables as int32). ``share_tokens(input_ids, rows)``, when
+    given, is called with the device rows of ``host.placeholder_rows`` (async scheduling at TP > 1)."""
     num_tokens, num_seqs, width = len(host.input_ids), host.num_seqs, len(host.block_tables[0])
     flat = (host.input_ids + host.positions + host.slot_mapping + host.query_start_loc + host.seq_lens
-            + host.logits_rows + [block for table in host.block_tables for block in table])
+            + host.logits_rows + [block for table in host.block_tables for block in table] + host.placeholder_rows)
     packed = stager.upload(flat)
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, len(host.logits_rows), num_seqs * width]
-    input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_rows, tables = packed.split(sizes)
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, len(host.logits_rows), num_seqs * width,
+             len(host.placeholder_rows)]
+    input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_rows, tables, holes = packed.split(sizes)
+    if share_tokens is not None and host.placeholder_rows:
+        share_tokens(input_ids, holes)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=tables.view(num_seqs, width).to(torch.int32),
-        max_query_len=host.max_query_len, max_seq_len=host.max_seq_len)
+        max_query_len=host.max_query_len, max_seq_len=host.max_seq_len,
+        query_start_host=host.query_start_loc, seq_lens_host=host.seq_lens)
     return input_ids, meta, logits_rows

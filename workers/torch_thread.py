@@ -10,7 +10,11 @@ compiled dispatch against 14.4 ms with actor calls; and in a bare process, a bf1
 matmul 39 us from the loading thread against 87 us from a second one.
 
 Methods decorated with :func:`on_torch_thread` run on this process's single torch thread (the
-caller waits), so every call sees the same OpenMP team, whichever Ray thread it came from.
+caller waits), so every call sees the same OpenMP team, whichever Ray thread it came from. An
+object whose ``torch_inline`` attribute is true runs them on the caller's thread instead: in the
+single-process engine the caller's thread is the one that does all torch work (a draft model there
+on a thread of its own made every decode step of the target, speculating or not, pay the second
+team's throttled spin-waits: 3x slower on the demo model, issue 31).
 """
 
 from __future__ import annotations
@@ -40,14 +44,15 @@ def _remember_thread() -> None:
 
 def on_torch_thread(method):
     """Run ``method`` on the process's torch thread and return its result (its exceptions are
-    raised in the caller). A call made from the torch thread itself runs at once. Put it outside
+    raised in the caller). A call made from the torch thread itself, or on an object with
+    ``torch_inline = True``, runs at once. Put it outside
     thread-local decorators (``torch.inference_mode()``, ``torch.no_grad()``): those must be
     entered on the torch thread."""
 
     @functools.wraps(method)
-    def run_there(*args, **kwargs):
-        if threading.get_ident() == _thread_id:
-            return method(*args, **kwargs)
-        return _torch_executor().submit(method, *args, **kwargs).result()
+    def run_there(self, *args, **kwargs):
+        if getattr(self, "torch_inline", False) or threading.get_ident() == _thread_id:
+            return method(self, *args, **kwargs)
+        return _torch_executor().submit(method, self, *args, **kwargs).result()
 
     return run_there

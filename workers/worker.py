@@ -107,6 +107,13 @@ class ShardWorker(ReloadableRank):
         self.runner.allocate_kv_cache(num_blocks)
         return self.runner.cache_bytes
 
+    @on_torch_thread
+    def attach_draft_buffers(self, handle: dict) -> None:
+        """Rank 0 with MTP: map the draft worker's shared buffers (``workers/draft_buffers.py``)."""
+        from shardserve.workers.draft_buffers import DraftBuffers
+
+        self.runner.attach_draft_buffers(DraftBuffers.attach(handle))
+
     # -- every step ---------------------------------------------------------------------------
     @on_torch_thread
     def execute(self, plan: StepPlan) -> StepResult | None:

@@ -20,11 +20,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: the request's prompt.
         stop: stop strings; the output ends before the first one and excludes it.
         skip_special_tokens: drop special tokens (EOS, chat markers) from the text.
+        min_tokens: stop strings are looked for only once the output has more tokens than this
+            (vLLM's ``min_tokens`` rule).
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         self.stop = list(stop or [])
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special_tokens = skip_special_tokens
@@ -42,6 +46,7 @@ class IncrementalDetokenizer:
         """Append one token; sets ``stopped`` when a stop string appeared."""
         if self.stopped:
             return
+        self.num_output_tokens += 1
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
@@ -51,6 +56,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         search_from = max(0, len(self.text) - self.hold)
         self.text += new_text
+        if self.num_output_tokens <= self.min_tokens:
+            return
         for stop in self.stop:
             at = self.text.find(stop, search_from)
             if at != -1:

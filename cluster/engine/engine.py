@@ -12,14 +12,18 @@ ends at the first stop, and the request's computed tokens roll back to what the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from shardserve.cluster.engine.block_manager import BlockManager
 from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
-from shardserve.cluster.engine.request import Logprob, Request, RequestStatus, SamplingParams
+from shardserve.cluster.engine.grammar import GrammarState
+from shardserve.cluster.engine.request import (Logprob, Request, RequestStatus, SamplingParams, SpecUsage,
+                                                tokenize_bad_words)
 from shardserve.cluster.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
@@ -45,6 +49,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache
+    spec_decode: SpecUsage | None = None     # the request's speculative decoding so far (speculation on)
 
 
 @dataclass(slots=True)
@@ -67,12 +72,16 @@ class EngineCore:
         num_state_slots: recurrent-state slots of a hybrid model (every worker's
             ``num_state_slots``; 0: no recurrent layers). Prefix caching is turned off for such
             models: a cached prefix's KV blocks are useless without the recurrent state at its end.
+        grammar_compiler: compiles structured-output constraints (``cluster.frontend.structured.
+            GrammarCompiler``); None: constrained requests are refused.
     """
 
     def __init__(self, executor: Executor, tokenizer, num_blocks: int, block_size: int,
                  scheduler_config: SchedulerConfig, eos_token_ids: set[int], vocab_size: int,
-                 enable_prefix_caching: bool = True, speculator=None, num_state_slots: int = 0) -> None:
+                 enable_prefix_caching: bool = True, speculator=None, num_state_slots: int = 0,
+                 grammar_compiler=None) -> None:
         self.executor = executor
+        self.grammar_compiler = grammar_compiler
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         state_slots = StateSlots(num_state_slots) if num_state_slots else None
@@ -94,7 +103,9 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve (message says why)."""
-        params.validate()
+        params.validate(self.vocab_size)
+        if params.structured_outputs is not None and self.grammar_compiler is None:
+            raise ValueError("structured_outputs: this engine has no grammar compiler")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -110,20 +121,34 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_seed: int = 0) -> str:
-        """Queue a request; returns its id. ``cache_seed``: its prefix-cache chain's start
-        (:func:`cluster.engine.block_manager.cache_seed`; 0 = shared with every unsalted request).
+                    cache_seed: int = 0, compiled_grammar=None) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            cache_seed: its prefix-cache chain's start (:func:`cluster.engine.block_manager.cache_seed`;
+                0 = shared with every unsalted request).
+            compiled_grammar: ``params.structured_outputs`` compiled (the coordinator compiles off
+                its event loop first); None: compiled here, blocking.
 
         Raises:
-            ValueError: invalid parameters or prompt (see :meth:`validate`), or a duplicate id.
+            ValueError: invalid parameters or prompt (see :meth:`validate`), a constraint that does
+                not compile (message starts ``structured_outputs:``), or a duplicate id.
         """
         self.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                           cache_seed=cache_seed)
-        self.requests[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop))
+        if params.structured_outputs is not None:
+            if compiled_grammar is None:
+                compiled_grammar = self.grammar_compiler.compile(params.structured_outputs)
+            request.grammar = GrammarState(compiled_grammar, self.vocab_size, params.structured_outputs.start_after)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                                             min_tokens=params.min_tokens)
+        self.requests[request_id] = _Tracked(request, detokenizer)
         self.scheduler.add(request)
         return request_id
 
@@ -138,11 +163,27 @@ class EngineCore:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """This step's plan (empty ``plan.scheduled`` when there is nothing to run)."""
+        """This step's plan (empty ``plan.scheduled`` when there is nothing to run); a constrained
+        request that samples carries its token bitmask (``cluster/engine/grammar.py``)."""
+        self._check_drafts()
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            batch.plan.return_hidden = True   # the MTP needs h_t of every computed position
+        if self.speculator is not None and batch.plan.scheduled:
+            # the MTP needs h_t of every computed position, unless its policy skips the next pass
+            batch.plan.return_hidden = self.speculator.wants_hidden(batch)
+        for request, sched in zip(batch.requests, batch.plan.scheduled):
+            if sched.sample and request.grammar is not None:
+                drafts = sched.token_ids[len(sched.token_ids) - sched.num_spec_tokens:]
+                sched.token_bitmask = request.grammar.bitmask(drafts)
         return batch
+
+    def _check_drafts(self) -> None:
+        """Cut each constrained request's drafts at the first one its grammar rejects (it could
+        never be accepted: its target probability is masked to zero)."""
+        for request in self.scheduler.running:
+            if request.grammar is not None and request.spec_token_ids:
+                keep = request.grammar.valid_prefix(request.spec_token_ids)
+                if keep < len(request.spec_token_ids):
+                    request.spec_token_ids = request.spec_token_ids[:keep]   # q's row keeps its first rows
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Apply rank 0's samples for ``batch``: append tokens, check stops, emit deltas.
@@ -168,12 +209,14 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute (blocking), update; with a speculator, then draft the next tokens."""
+        started = time.perf_counter()
         batch = self.schedule()
         if not batch.plan.scheduled:
             return []
         result = self.executor.execute(batch.plan)
         outputs = self.update(batch, result)
         if self.speculator is not None:
+            self.speculator.observe_step(batch, time.perf_counter() - started)
             self.speculator.propose(self, batch, result)
         return outputs
 
@@ -201,10 +244,18 @@ class EngineCore:
         return RequestOutput(
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
-            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
+            request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            spec_decode=request.spec)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params
+        grammar = request.grammar
+        if grammar is not None:
+            if not grammar.accept(token_id):   # rank 0 masks every token the grammar forbids
+                logger.error("request %s: token %d breaks its grammar; ending it", request.request_id, token_id)
+                return RequestStatus.FINISHED_STOPPED
+            if grammar.is_terminated:   # the stop token that completes the grammar (ends even with ignore_eos)
+                return RequestStatus.FINISHED_STOPPED
         is_eos = not params.ignore_eos and token_id in request.eos_token_ids
         if is_eos or token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

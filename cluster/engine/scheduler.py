@@ -77,6 +77,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._free(request)
+        request.grammar = None   # its matcher goes with it (kept through preemption, not past the end)
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
 
@@ -107,7 +108,7 @@ class Scheduler:
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_probs = [], None
+        request.spec_token_ids, request.spec_probs_row = [], -1
         if request.sent_to_workers:
             self._finished_ids.append(request.request_id)
         request.sent_to_workers, request.num_sent_blocks = False, 0
@@ -170,8 +171,10 @@ class Scheduler:
         batch = ScheduledBatch(plan, preempted=preempted)
         for request, num_new in chosen:
             if not request.sent_to_workers:
-                plan.new_requests.append(NewRequestData(request.request_id, request.params.sampling_options(),
-                                                        request.state_slot))
+                options = request.sampling_options()
+                history = request.all_token_ids if options.has_controls else None   # complete: no placeholders
+                plan.new_requests.append(NewRequestData(request.request_id, options, request.state_slot, history,
+                                                        request.num_prompt_tokens))
                 request.sent_to_workers = True
             start = request.num_computed_tokens
             known = request.num_known_tokens
@@ -188,9 +191,9 @@ class Scheduler:
                 sample=sample,
                 output_index=request.num_output_tokens + request.num_placeholders,
                 num_spec_tokens=num_spec,
-                draft_probs=None if not num_spec or request.spec_probs is None else request.spec_probs[:num_spec],
+                draft_probs_row=request.spec_probs_row if num_spec else -1,
             ))
-            request.spec_token_ids, request.spec_probs = [], None
+            request.spec_token_ids, request.spec_probs_row = [], -1
             request.num_sent_blocks = len(request.block_ids)
             request.num_computed_tokens += num_new
             request.num_placeholders += sample   # given back by EngineCore.update when the result is in

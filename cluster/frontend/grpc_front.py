@@ -39,8 +39,8 @@ from shardserve.cluster.frontend.limits import LimitExceeded, run_tokenizer
 from shardserve.cluster.frontend.openai_protocol import OpenAIError, ParsedRequest
 from shardserve.cluster.frontend.openai_router import RouterCore
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
-from shardserve.cluster.replica.grpc_server import (
-    SERVICE, GrpcServer, request_authorization, chat_messages, serve_inference)
+from shardserve.cluster.replica.grpc_chat import chat_chars, chat_prompt
+from shardserve.cluster.replica.grpc_server import SERVICE, GrpcServer, request_authorization, serve_inference
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -79,23 +79,25 @@ class RouterServicer(pb_grpc.InferenceServicer):
         return time.monotonic() + min(limits) if limits else None
 
     async def _prompt_ids(self, request) -> list[int]:
-        """The request's token ids (text and chats tokenized here, after the character limit).
+        """The request's token ids (text and chats tokenized here, after the character limit). A
+        chat is rendered here only to route and charge it: the replica renders it again, with the
+        request's output parsing.
 
         Raises:
             LimitExceeded, ValueError: a bad prompt.
         """
         core, kind = self.core, request.WhichOneof("prompt")
+        core._ready_or_503()
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
-            chat = chat_messages(request.chat)
-            core.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-            ids = await run_tokenizer(core.encode, "chat", chat)
+            core.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+            ids, _ = await run_tokenizer(chat_prompt, core.tokenizer, request.chat, None, None)
         else:
             if not request.text:
                 raise ValueError("prompt must not be empty")
             core.limits.check_prompt_chars(len(request.text), "text")
-            ids = await run_tokenizer(core.encode, "completion", request.text)
+            ids, _ = await run_tokenizer(core._encode, "completion", request.text)
         core.check_vocabulary(ids)
         return ids
 
@@ -109,12 +111,14 @@ class RouterServicer(pb_grpc.InferenceServicer):
             charged = core.charge(caller, len(ids) + (max_tokens or 0))
             call = pb.GenerateRequest()
             call.CopyFrom(request)
-            call.token_ids.ids[:] = ids
+            if request.WhichOneof("prompt") != "chat":   # a chat goes as it is (the replica parses its answer)
+                call.token_ids.ids[:] = ids
             call.request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
             call.tenant, call.group_id = caller.tenant, call.request_id
             parsed = ParsedRequest("completion", None, [ids], max_tokens=max_tokens, cache_salt=request.cache_salt)
             hashes = await core.prompt_hashes(ids, caller, request.cache_salt)
-            run = await core._start(parsed, [ids], started, self._deadline(context), caller, hashes, [call])
+            run = await core._start(parsed, [ids], started, self._deadline(context), caller, hashes=hashes,
+                                    requests=[call])
         except LimitExceeded as exc:
             core.settle(caller, charged, 0)
             await context.abort(grpc_code(exc.status), str(exc))
@@ -154,18 +158,20 @@ class RouterServicer(pb_grpc.InferenceServicer):
         try:
             self.core.admit(caller)
             if request.WhichOneof("prompt") == "chat":
-                chat = chat_messages(request.chat)
-                self.core.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-                ids = await run_tokenizer(self.core.encode, "chat", chat)
+                self.core.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+                self.core._ready_or_503()
+                ids, _ = await run_tokenizer(chat_prompt, self.core.tokenizer, request.chat, None, None)
             else:
                 self.core.limits.check_prompt_chars(len(request.text), "text")
                 if not request.text:
                     raise ValueError("prompt must not be empty")
-                ids = await run_tokenizer(self.core.encode, "completion", request.text)
+                ids, _ = await run_tokenizer(self.core._encode, "completion", request.text)
         except LimitExceeded as exc:
             await context.abort(grpc_code(exc.status), str(exc))
-        except (ValueError, OpenAIError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, getattr(exc, "message", str(exc)))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OpenAIError as err:
+            await context.abort(grpc_code(err.status), err.message)
         return pb.TokenizeResponse(token_ids=ids)
 
     async def ModelInfo(self, request, context):

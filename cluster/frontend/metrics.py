@@ -10,55 +10,29 @@ with it (:meth:`ServeMetrics.forget_replica`).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shardserve.cluster.frontend.vllm_metrics import VllmMetrics
+from shardserve.cluster.engine.speculative import SpecCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 # ModelInfo fields the replica metrics read (gauges, then MTP speculative decoding).
-REPLICA_INFO_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version",
+REPLICA_INFO_FIELDS = ("model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version",
                        "worker_restarts", "collective", "dispatch", "coordinator_node", "num_nodes", "rank_nodes",
-                       "rank_node_ips", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens",
-                       "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length")
-_LIST_FIELDS = ("rank_nodes", "rank_node_ips", "spec_acceptance_rate")   # repeated fields: plain lists
+                       "rank_node_ips", "speculative_tokens", "spec_policy", "spec_num_drafts", "spec_num_draft_tokens",
+                       "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length",
+                       "spec_accepted_per_position", "spec_depth_steps")
+_LIST_FIELDS = ("rank_nodes", "rank_node_ips", "spec_acceptance_rate", "spec_accepted_per_position",
+                "spec_depth_steps")   # repeated fields: plain lists
 
 
 def replica_info(model_info) -> dict:
     """The fields of a ``ModelInfoResponse`` (or its dict) that :meth:`ServeMetrics.set_replica` reads."""
     get = model_info.get if isinstance(model_info, dict) else lambda name: getattr(model_info, name)
     return {name: list(get(name) or []) if name in _LIST_FIELDS else get(name) for name in REPLICA_INFO_FIELDS}
-
-
-class _SpecDecodeCollector:
-    """Per-replica speculative-decoding counters (vLLM's ``spec_decode`` metrics), from the last
-    ModelInfo of each replica that speculates; the names match the coordinator's own exposition
-    (:meth:`cluster.engine.speculative.SpecStats.prometheus_text`) plus a ``replica`` label."""
-
-    def __init__(self) -> None:
-        self.replicas: dict[str, dict] = {}
-
-    def collect(self):
-        counters = [("spec_drafts", "Sequence-steps that verified draft tokens", "spec_num_drafts"),
-                    ("spec_draft_tokens", "Draft tokens verified by the target", "spec_num_draft_tokens"),
-                    ("spec_accepted_tokens", "Draft tokens accepted", "spec_num_accepted_tokens")]
-        for name, doc, field in counters:
-            family = CounterMetricFamily(f"shardserve_{name}", doc, labels=["replica"])
-            for label, info in self.replicas.items():
-                family.add_metric([label], info[field])
-            yield family
-        rate = GaugeMetricFamily("shardserve_spec_acceptance_rate", "Acceptance rate by draft position",
-                                 labels=["replica", "position"])
-        length = GaugeMetricFamily("shardserve_spec_mean_acceptance_length",
-                                   "Tokens emitted per verifying sequence-step (accepted + 1)", labels=["replica"])
-        for label, info in self.replicas.items():
-            for pos, value in enumerate(info["spec_acceptance_rate"]):
-                rate.add_metric([label, str(pos + 1)], value)
-            length.add_metric([label], info["spec_mean_acceptance_length"])
-        yield rate
-        yield length
 
 
 class ServeMetrics:
@@ -87,9 +61,12 @@ class ServeMetrics:
     the replica replaced in place; reset when Serve replaces the replica); placement:
     ``replica_nodes`` (distinct Ray nodes of the coordinator and ranks),
     ``replica_info{collective,dispatch,coordinator_node}`` and ``rank_node_info{rank,node_id,node_ip}``
-    (value 1, the labels carry the facts); for replicas with MTP speculation on (vLLM's spec-decode
-    metrics): ``spec_drafts_total``, ``spec_draft_tokens_total``, ``spec_accepted_tokens_total``,
-    ``spec_acceptance_rate{position}``, ``spec_mean_acceptance_length``.
+    (value 1, the labels carry the facts); for replicas with MTP speculation on:
+    ``spec_drafts_total``, ``spec_draft_tokens_total``, ``spec_accepted_tokens_total``,
+    ``spec_acceptance_rate{position}``, ``spec_mean_acceptance_length``, ``spec_depth_steps_total{depth}``,
+    and vLLM's own names ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+    ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}`` (labels
+    ``model_name``, ``engine`` = the replica; :func:`cluster.engine.speculative.spec_metric_families`).
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -150,8 +127,9 @@ class ServeMetrics:
         self.rank_node = Gauge("shardserve_rank_node_info", "Ray node of each tensor-parallel rank (value 1)",
                                ["replica", "rank", "node_id", "node_ip"], registry=reg)
         self._placement: dict[str, list[tuple]] = {}   # replica -> [(info gauge, label values)] last set
-        self.spec = _SpecDecodeCollector()
-        reg.register(self.spec)
+        self.spec_replicas: dict[str, dict] = {}   # replica -> its last ModelInfo fields (speculating ones)
+        reg.register(SpecCollector(lambda: [(info.get("model") or "", label, info)
+                                            for label, info in sorted(self.spec_replicas.items())]))
 
     def count(self, endpoint: str, status: int, outcome: str, key: str = "anonymous") -> None:
         """Count one request of API key id ``key`` that ended (``requests_total``, ``key_requests_total``)."""
@@ -186,7 +164,7 @@ class ServeMetrics:
             if info.get("collective"):
                 self._set_placement(label, info)
             if info.get("speculative_tokens"):
-                self.spec.replicas[label] = info
+                self.spec_replicas[label] = info
 
     def forget_replica(self, label: str) -> None:
         """The replica left (scaled down, replaced): every series labelled with it goes."""

@@ -184,7 +184,7 @@ def _caller(request: Request) -> Caller:
 def build_openai_app(core, front: FrontConfig | None = None) -> FastAPI:
     """The HTTP app over ``core``.
 
-    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
     ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, ``POST /admin/reload_weights``
     and ``GET /admin/status`` (:mod:`cluster.frontend.admin`; admin key only), and FastAPI's
     ``/docs``, ``/redoc`` and ``/openapi.json``. Add new routes here: the guard covers them either way.
@@ -205,6 +205,10 @@ def build_openai_app(core, front: FrontConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await core.generate("completion", await request.body(), _caller(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await core.generate("responses", await request.body(), _caller(request))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
-from shardserve.cluster.engine.request import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from shardserve.cluster.engine.request import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                               MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE,
+                                               StructuredOutputs)
 
 MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
 # Fields whose non-default values would change the output but the engine does not implement.
-_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
-                "functions": None, "suffix": None, "best_of": None, "echo": False}
+_UNSUPPORTED = {"functions": None, "suffix": None, "best_of": None, "echo": False}
+# Request fields the engine's INVALID_ARGUMENT messages may start with (they name the field first).
+_ENGINE_FIELDS = ("max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "stop", "logprobs", "temperature", "top_p", "top_k",
+                  "min_p")
 
 
 class OpenAIError(Exception):
@@ -79,9 +85,15 @@ def internal_error() -> OpenAIError:
                        "internal_error")
 
 
-def engine_rejected(message: str, param: str) -> OpenAIError:
+def engine_rejected(message: str, param: str, structured_param: str | None = None) -> OpenAIError:
     """A 400 for the engine's INVALID_ARGUMENT (context length gets OpenAI's code; the field named
-    is ``max_tokens`` when that is what does not fit)."""
+    is ``max_tokens`` when that is what does not fit; a constraint that does not compile, whose
+    message starts ``structured_outputs:``, names ``structured_param``, the field it came from)."""
+    if message.startswith("structured_outputs:") and structured_param:
+        return bad_request(message, structured_param)
+    named = re.match(r"([a-z_]+)\b", message)
+    if named and named.group(1) in _ENGINE_FIELDS and "context length" not in message:
+        return bad_request(message, named.group(1))
     if "context length" not in message:
         return bad_request(message, param)
     return bad_request(message, "max_tokens" if "max_tokens" in message else param, "context_length_exceeded")
@@ -147,17 +159,25 @@ class ParsedRequest:
     logprobs: int | None = None                 # alternatives per token; None = no logprobs
     max_tokens: int | None = None               # also in ``sampling``; kept for routing cost
     cache_salt: str = ""                        # vLLM's cache_salt: prefix-cache isolation within a key
+    # The output constraint (``response_format``, ``structured_outputs``, ``guided_*``; a tool call
+    # that must be made sets one too) and the request field it came from, named in errors.
+    structured: StructuredOutputs | None = None
+    structured_param: str | None = None
+    chat: object = None                         # chat: cluster.frontend.chat_request.ChatOptions
 
 
 MAX_CACHE_SALT_CHARS = 256
 
 
 def prompt_chars(prompt) -> int:
-    """Characters of one parsed prompt (a chat's message contents, or a text; token ids: 0)."""
+    """Characters of one parsed prompt (a chat's message contents, earlier thinking and calls' JSON,
+    or a text; token ids: 0)."""
     if isinstance(prompt, str):
         return len(prompt)
     if prompt and isinstance(prompt[0], dict):
-        return sum(len(message.get("content") or "") for message in prompt)
+        return sum(len(message.get("content") or "") + len(message.get("reasoning_content") or "") +
+                   (len(json.dumps(message["tool_calls"], ensure_ascii=False)) if message.get("tool_calls") else 0)
+                   for message in prompt)
     return 0
 
 
@@ -205,24 +225,117 @@ def _stop(body: dict) -> list[str]:
     return list(stops)
 
 
-def _response_format(body: dict) -> None:
+_JSON_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for json_schema.name
+# vLLM's ``structured_outputs`` keys: one constraint, plus options.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_CONSTRAINT_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                       "whitespace_pattern")
+# vLLM's older per-kind fields (``extra_body={"guided_json": ...}``), still sent by many clients.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format(body: dict) -> StructuredOutputs | None:
     """``response_format``: ``{"type": "text"}`` (OpenAI's default, sent by clients such as
-    LangChain) is plain output; JSON modes (``json_object``, ``json_schema``) are not supported."""
+    LangChain) is free output; ``{"type": "json_object"}`` any JSON object;
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` output
+    valid against ``schema``."""
     value = body.get("response_format")
     if value is None:
-        return
+        return None
+    param = "response_format"
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise bad_request("'response_format' must be an object with a 'type'", "response_format")
-    if value["type"] != "text":
-        raise bad_request(f"'response_format' type {value['type']!r} is not supported by this server (only 'text')",
-                          "response_format")
+        raise bad_request("'response_format' must be an object with a 'type'", param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs.json_object()
+    if kind != "json_schema":
+        raise bad_request(f"'response_format' type {kind!r} is not supported (use 'text', 'json_object' or "
+                          "'json_schema')", param)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("'response_format.json_schema' must be an object with a 'name' and a 'schema'", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _JSON_SCHEMA_NAME.match(name):
+        raise bad_request("'response_format.json_schema.name' must be 1 to 64 characters of a-z, A-Z, 0-9, "
+                          f"'_' or '-', got {name!r}", param)
+    for key, kinds in (("strict", (bool,)), ("description", (str,))):
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise bad_request(f"'response_format.json_schema.{key}' must be a {kinds[0].__name__}", param)
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema object", param)
+    return StructuredOutputs.json_schema(schema)
+
+
+def _constraint(value, key: str, param: str, compact: bool) -> StructuredOutputs:
+    """One constraint of ``structured_outputs`` (or a ``guided_*`` field): ``key`` names its kind."""
+    where = f"'{param}.{key}'" if param == "structured_outputs" else f"'{param}'"
+    if key == "json":
+        if not isinstance(value, (dict, str)):
+            raise bad_request(f"{where} must be a JSON schema (an object, or its JSON text)", param)
+        try:
+            return StructuredOutputs.json_schema(value, compact)
+        except ValueError as exc:
+            raise bad_request(f"{where}: {exc}", param) from None
+    if key == "json_object":
+        if value is not True:
+            raise bad_request(f"{where} must be true when given", param)
+        return StructuredOutputs.json_object(compact)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request(f"{where} must be a non-empty list of non-empty strings", param)
+        return StructuredOutputs.choice(value)
+    if key == "structural_tag":
+        raise bad_request(f"{where} is not supported by this server (use json, regex, choice or grammar)", param)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where} must be a non-empty string", param)
+    return StructuredOutputs(key, value)
+
+
+def _structured_outputs(body: dict) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's output constraint and the field it came from: OpenAI's ``response_format``,
+    vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``; at most one of them."""
+    found: list[tuple[StructuredOutputs, str]] = []
+    from_format = _response_format(body)
+    if from_format is not None:
+        found.append((from_format, "response_format"))
+    value = body.get("structured_outputs")
+    if value is not None:
+        param = "structured_outputs"
+        if not isinstance(value, dict):
+            raise bad_request("'structured_outputs' must be an object", param)
+        unknown = sorted(set(value) - set(_CONSTRAINTS) - set(_CONSTRAINT_OPTIONS))
+        if unknown:
+            raise bad_request(f"unknown 'structured_outputs' field(s) {unknown}", param)
+        for option in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+            if value.get(option) is not None and not isinstance(value[option], bool):
+                raise bad_request(f"'structured_outputs.{option}' must be a boolean", param)
+        if value.get("whitespace_pattern") is not None:
+            raise bad_request("'structured_outputs.whitespace_pattern' is not supported (use "
+                              "disable_any_whitespace)", param)
+        given = [key for key in _CONSTRAINTS if value.get(key) is not None]
+        if len(given) != 1:
+            raise bad_request(f"'structured_outputs' needs exactly one of {list(_CONSTRAINTS[:5])}, got "
+                              f"{given or 'none'}", param)
+        compact = bool(value.get("disable_any_whitespace"))
+        found.append((_constraint(value[given[0]], given[0], param, compact), param))
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((_constraint(body[name], key, name, False), name))
+    if len(found) > 1:
+        names = [param for _, param in found]
+        raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(names)})", names[1])
+    return found[0] if found else (None, None)
 
 
 def _common(body: dict, kind: str) -> ParsedRequest:
     for name, default in _UNSUPPORTED.items():
         if body.get(name) not in (None, default):
             raise bad_request(f"'{name}' is not supported by this server", name)
-    _response_format(body)
+    structured, structured_param = _structured_outputs(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -253,6 +366,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         value = _number(body, name, low, high, integer=integer, low_open=low_open)
         if value is not None:
             sampling[name] = value
+    sampling.update(_controls(body, max_tokens))
     ignore_eos = body.get("ignore_eos", False)   # vLLM's / llama-server's extension: run to max_tokens
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
@@ -260,50 +374,70 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         sampling["ignore_eos"] = True
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
     return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
-                         None, max_tokens, _cache_salt(body))
+                         None, max_tokens, _cache_salt(body), structured, structured_param)
 
 
-def _content(message: dict, index: int) -> str:
-    content = message.get("content")
-    if content is None:
-        if message["role"] != "assistant":   # only an assistant turn (e.g. with tool calls) may omit it
-            raise bad_request(f"messages[{index}].content is required for role {message['role']!r}", "messages")
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text is supported
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+def _controls(body: dict, max_tokens: int | None) -> dict:
+    """Penalties (OpenAI's ``presence_penalty`` / ``frequency_penalty``, vLLM's
+    ``repetition_penalty``), ``logit_bias`` (token-id strings -> [-100, 100]) and vLLM's
+    ``min_tokens``, ``bad_words``, ``allowed_token_ids``, as ``pb.SamplingParams`` fields."""
+    out = {}
+    for name, low, high, low_open in (("presence_penalty", -MAX_PENALTY, MAX_PENALTY, False),
+                                      ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, False),
+                                      ("repetition_penalty", 0, MAX_REPETITION_PENALTY, True)):
+        value = _number(body, name, low, high, low_open=low_open)
+        if value is not None:
+            out[name] = value
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad_request("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            if not isinstance(key, str) or not re.fullmatch(r"[0-9]{1,9}", key.strip()):
+                raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}",
+                                  "logit_bias")
+            number = _number({"logit_bias": value}, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            out["logit_bias"][int(key)] = float(number)
+    min_tokens = _number(body, "min_tokens", 0, max_tokens if max_tokens is not None else 2**31 - 1, integer=True)
+    if min_tokens:
+        out["min_tokens"] = min_tokens
+    words = body.get("bad_words")
+    if words is not None:
+        words = [words] if isinstance(words, str) else words
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise bad_request("'bad_words' must be a list of non-empty strings", "bad_words")
+        out["bad_words"] = words
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in allowed):
+            raise bad_request("'allowed_token_ids' must be a non-empty list of token ids", "allowed_token_ids")
+        out["allowed_token_ids"] = allowed
+    return out
 
 
 def parse_chat(body: dict) -> ParsedRequest:
-    """Validate a ``/v1/chat/completions`` body.
+    """Validate a ``/v1/chat/completions`` body (messages, tools and the template arguments: see
+    :mod:`cluster.frontend.chat_request`).
 
     Raises:
         OpenAIError: 400 naming the first bad field.
     """
+    from shardserve.cluster.frontend.chat_request import chat_messages, parse_chat_options, tool_constraint
+
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("'messages' is a required property", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    chat = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a 'role'", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        if role not in ("system", "user", "assistant"):
-            raise bad_request(f"messages[{i}].role {message['role']!r} is not supported", "messages")
-        chat.append({"role": role, "content": _content(message, i)})
+    chat = chat_messages(body.get("messages"))
+    options = parse_chat_options(body)
     parsed = _common(body, "chat")
-    parsed.prompts = [chat]
+    parsed.prompts, parsed.chat = [chat], options
+    forced = tool_constraint(options)
+    if forced is not None:
+        if parsed.structured is not None:
+            raise bad_request(f"'tool_choice' {options.tool_choice!r} constrains the output to a call; it cannot be "
+                              f"combined with '{parsed.structured_param}'", "tool_choice")
+        parsed.structured, parsed.structured_param = forced, "tools"
     if body.get("logprobs"):
         parsed.logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
     elif body.get("top_logprobs") is not None:
@@ -320,6 +454,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     """
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if body.get("tools") is not None:
+        raise bad_request("'tools' needs /v1/chat/completions (or /v1/responses)", "tools")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is a required property", "prompt")
@@ -400,11 +536,24 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0                          # prompt tokens from the prefix cache
+    output: object = None          # chat: a cluster.frontend.chat_output.ChoiceOutput (None: plain text)
+    spec_decode: object = None       # pb.SpecDecodeUsage of the last response (the replica speculates)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice] = ()) -> dict:
+    """OpenAI's ``usage``; with MTP speculation, plus the extension field ``spec_decode``: the
+    choices' ``num_drafts`` (verifying steps), ``num_draft_tokens``, ``num_accepted_tokens`` summed,
+    and ``acceptance_length`` (tokens per verifying step: accepted + 1; null before any)."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    specs = [c.spec_decode for c in choices if c.spec_decode is not None]
+    if specs:
+        counts = {key: sum(getattr(spec, key) for spec in specs)
+                  for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        drafts = counts["num_drafts"]
+        body["spec_decode"] = dict(counts, acceptance_length=1.0 + counts["num_accepted_tokens"] / drafts
+                                   if drafts else None)
+    return body
 
 
 def finish_reason(engine_reason: str) -> str | None:
@@ -447,26 +596,33 @@ def response_body(kind: str, request_id: str, created: int, model: str, choices:
         reason = finish_reason(choice.finish_reason or "")
         if kind == "chat":
             lp = chat_logprobs(choice.logprobs, token_text) if want_logprobs else None
-            items.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                          "logprobs": lp, "finish_reason": reason})
+            message = {"role": "assistant", "content": choice.text}
+            if choice.output is not None:
+                choice.output.feed(choice.text)
+                choice.output.finish()
+                message, reason = choice.output.message(), choice.output.finish_reason(reason)
+            items.append({"index": choice.index, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             lp = completion_logprobs(choice.logprobs, token_text) if want_logprobs else None
             items.append({"index": choice.index, "text": choice.text, "logprobs": lp, "finish_reason": reason})
     prompt_tokens = sum({c.index // n: c.prompt_tokens for c in choices}.values())
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": model, "choices": items,
-            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), choices)}
 
 
 def chunk_body(kind: str, request_id: str, created: int, model: str, index: int, *, text: str | None = None,
                role: bool = False, logprobs: dict | None = None, finish: str | None = None,
-               include_usage: bool = False) -> dict:
-    """One streamed chunk with a single choice (``usage: null`` when usage is reported at the end)."""
+               include_usage: bool = False, fields: dict | None = None) -> dict:
+    """One streamed chunk with a single choice (``usage: null`` when usage is reported at the end);
+    chat ``fields`` replace ``text`` (a parsed delta: content, reasoning, tool calls)."""
     if kind == "chat":
         delta = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if fields is not None:
+            delta.update(fields)
+        elif text is not None:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
@@ -480,7 +636,8 @@ def chunk_body(kind: str, request_id: str, created: int, model: str, index: int,
 
 
 def usage_chunk(kind: str, request_id: str, created: int, model: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, choices: list[Choice] = ()) -> dict:
     """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, choices)}

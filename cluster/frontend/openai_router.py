@@ -7,7 +7,10 @@ uses (``cluster.tokenizer``: the chat template is rendered once, never a second 
 the ``n`` choices per prompt is one gRPC ``Generate`` call with ``seed + j``. The first response
 of every call is awaited before answering, so the engine's own rejections (context length, bad
 token ids) still become a 400 JSON body, never a broken stream. Text deltas come from the
-engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are.
+engine's detokenizer and never split a UTF-8 character; SSE events carry them as they are, or,
+for chats with tools or a reasoning parser, as the parsed deltas of
+:mod:`cluster.frontend.chat_output` (the non-streamed message is the same chain fed the whole
+text). ``/v1/responses`` is a chat underneath (:mod:`cluster.frontend.responses_route`).
 
 Limits come first (:mod:`cluster.frontend.limits`): the caller's request rate (429 with
 ``Retry-After``), prompts x ``n`` and prompt characters (400), then tokenization on the tokenizer
@@ -40,6 +43,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -47,6 +51,7 @@ import grpc
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from shardserve.cluster.engine.block_manager import cache_seed
+from shardserve.cluster.frontend.chat_output import ChoiceDelta, ChoiceOutput, ParserConfig, delta_body
 from shardserve.cluster.frontend.limits import LimitExceeded, RateLimiter, retry_after_header, run_tokenizer
 from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
 from shardserve.cluster.frontend.openai_protocol import (
@@ -54,9 +59,12 @@ from shardserve.cluster.frontend.openai_protocol import (
     engine_rejected, finish_reason, limit_error, load_body, parse_chat, parse_completion, prompt_chars,
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_directory import ReplicaEntry, StaticReplicas
+from shardserve.cluster.frontend.replica_link import ReplicaLink
 from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.responses_api import parse_responses
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
 from shardserve.cluster.routing import RoutingPolicy, prompt_block_hashes
+from shardserve.cluster.frontend.structured import structured_to_proto
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -127,13 +135,16 @@ class RouterCore:
             token each reports in its status.
         route_wait_s: how long a request waits for a replica that is being replaced.
         policy: the routing policy (default: least-loaded).
+        parsers: tool-call and reasoning parsers of chat answers (``--tool-call-parser``,
+            ``--enable-auto-tool-choice``, ``--reasoning-parser``).
     """
 
     def __init__(self, model: str, served_names: list[str], replicas, load_tokenizer: Callable[[], object],
                  poll_s: float = 2.0, front: FrontConfig | None = None, route_wait_s: float = 30.0,
-                 policy: RoutingPolicy | None = None) -> None:
+                 policy: RoutingPolicy | None = None, parsers: ParserConfig | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
+        self.parsers = parsers or ParserConfig()
         tls = self.front.grpc_tls()
         self.replicas = StaticReplicas(replicas) if isinstance(replicas, (list, tuple)) else replicas
         self.pool = ReplicaPool((), functools.partial(_connect, root_certificates=tls and tls[0]), _close, policy)
@@ -151,6 +162,7 @@ class RouterCore:
         self._followers: dict[str, asyncio.Task] = {}   # replica -> task applying its cache events
         self._listed = False             # the replica directory has answered once
         self._polled = asyncio.Event()   # set after the first round of status calls once replicas are listed
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # replica stub -> ReplicaLink
 
     # -- background: tokenizer and replica states ------------------------------------------------
     def start(self) -> None:
@@ -245,10 +257,20 @@ class RouterCore:
             ready = self.pool.replicas and len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
+    def _link(self, stub, metadata: tuple) -> ReplicaLink:
+        """The streaming link over ``stub``'s channel with the replica's credential ``metadata`` (one
+        per replica channel, opened on first use; a new one if the replica's token changed)."""
+        link = self._links.get(stub)
+        if link is None or link.metadata != metadata:
+            link = self._links[stub] = ReplicaLink(stub, metadata)
+        return link
+
     async def close(self) -> None:
         self.replicas.close()
         for task in self._tasks + list(self._followers.values()):
             task.cancel()
+        for link in list(self._links.values()):
+            link.close()
         channels = self.pool.detach_channels()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
@@ -346,29 +368,41 @@ class RouterCore:
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, kind: str, raw_body: bytes, caller: Caller = _NOBODY) -> Response:
-        """``POST /v1/chat/completions`` (kind ``chat``) or ``/v1/completions`` (``completion``) of
-        ``caller`` (the guard's :class:`Caller`)."""
+        """``POST /v1/chat/completions`` (kind ``chat``), ``/v1/completions`` (``completion``) or
+        ``/v1/responses`` (``responses``: a chat underneath, see :mod:`cluster.frontend.responses_api`)
+        of ``caller`` (the guard's :class:`Caller`)."""
         started = time.monotonic()
-        endpoint = "chat" if kind == "chat" else "completions"
+        endpoint = {"chat": "chat", "completion": "completions"}.get(kind, kind)
         timeout = self.front.request_timeout
-        charged = 0
+        charged, echo = 0, None
         try:
             try:
                 self.admit(caller)
                 body = load_body(raw_body)
-                parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+                if kind == "responses":
+                    parsed, echo = parse_responses(body)
+                else:
+                    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
                 if parsed.model is not None and parsed.model not in self.served_names:
                     raise OpenAIError(404, f"The model `{parsed.model}` does not exist. This server serves "
                                       f"`{self.served_names[0]}`.", "invalid_request_error", "model", _MODEL_NOT_FOUND)
-                self._check_limits(kind, parsed)
+                if parsed.kind == "chat":
+                    self.parsers.check(parsed.chat)
+                self._check_limits(parsed.kind, parsed)
                 self._ready_or_503()
-                prompt_ids = await self._prompt_ids(kind, parsed)
+                prompt_ids, texts = await self._prompt_ids(parsed.kind, parsed)
                 charged = self._charge_tokens(caller, parsed, prompt_ids)
             except LimitExceeded as exc:
                 raise limit_error(exc) from None
+            outputs = [self.parsers.output(parsed.chat, text) if parsed.kind == "chat" else None
+                       for text in texts for _ in range(parsed.n)]
+            if parsed.structured is not None and outputs and outputs[0] is not None:   # thinking comes first
+                parsed.structured = outputs[0].constraint(parsed.structured, self.tokenizer)
+            if echo is not None:   # a response always has items, parsed or not
+                outputs = [output or ChoiceOutput(None, None) for output in outputs]
             hashes = await self.prompt_hashes(prompt_ids[0], caller, parsed.cache_salt)
             run = await self._start(parsed, prompt_ids, started, started + timeout if timeout else None, caller,
-                                    hashes)
+                                    outputs, hashes)
         except OpenAIError as err:
             self.settle(caller, charged, 0)
             self.metrics.count(endpoint, err.status, "timeout" if err.status == 408 else "rejected", caller.key_id)
@@ -379,6 +413,10 @@ class RouterCore:
             self.metrics.count(endpoint, 499, "cancelled", caller.key_id)
             raise
         run.endpoint, run.charged_tokens = endpoint, charged
+        if echo is not None:
+            from shardserve.cluster.frontend.responses_route import respond
+
+            return await respond(self, run, echo)
         if parsed.stream:
             run.status = 200
             return _EventStream(self._sse(run), functools.partial(self._finish, run))
@@ -437,18 +475,20 @@ class RouterCore:
         self.limits.check_prompt_chars(sum(prompt_chars(prompt) for prompt in parsed.prompts),
                                        "messages" if kind == "chat" else "prompt")
 
-    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> list[list[int]]:
-        """Every prompt's token ids: text tokenized on the tokenizer threads, ids checked against
-        the vocabulary (before any replica is leased).
+    async def _prompt_ids(self, kind: str, parsed: ParsedRequest) -> tuple[list[list[int]], list[str | None]]:
+        """Every prompt's token ids and, for a chat, its rendered text (the reasoning parser reads
+        its end): text tokenized on the tokenizer threads, ids checked against the vocabulary
+        (before any replica is leased).
 
         Raises:
             OpenAIError: 400 for a bad prompt.
         """
         param = "messages" if kind == "chat" else "prompt"
-        prompt_ids = [await run_tokenizer(self.encode, kind, prompt) for prompt in parsed.prompts]
+        encoded = [await run_tokenizer(self._encode, kind, prompt, parsed.chat) for prompt in parsed.prompts]
+        prompt_ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
         for ids in prompt_ids:
             self.check_vocabulary(ids, param)
-        return prompt_ids
+        return prompt_ids, texts
 
     def check_vocabulary(self, ids: list[int], param: str = "prompt") -> None:
         """Raises OpenAIError (400) for a token id outside the served vocabulary."""
@@ -468,27 +508,34 @@ class RouterCore:
             return prompt_block_hashes(*hash_args)
         return await run_tokenizer(prompt_block_hashes, *hash_args)
 
-    def encode(self, kind: str, prompt) -> list[int]:
-        """Token ids of a chat (``kind == "chat"``) or a text (blocking: run on the tokenizer
-        threads). Raises OpenAIError (400) for a malformed prompt."""
-        from shardserve.cluster.tokenizer import encode_chat, encode_prompt
+    def _encode(self, kind: str, prompt, options=None) -> tuple[list[int], str | None]:
+        """``(token ids, rendered chat text or None)`` of one prompt (``options``: the chat's tools
+        and template arguments)."""
+        from shardserve.cluster.tokenizer import encode_prompt, encode_rendered, render_chat
 
         try:
             if kind == "chat":
-                return encode_chat(self.tokenizer, prompt)
-            return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+                text = render_chat(self.tokenizer, prompt, tools=options and options.tools,
+                                   template_kwargs=options and options.template_kwargs)
+                return encode_rendered(self.tokenizer, text), text
+            return (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)), None
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from exc
 
     def _grpc_request(self, parsed: ParsedRequest, request_id: str, ids: list[int], index: int,
-                      caller: Caller) -> pb.GenerateRequest:
-        """Choice ``index``'s call: its own seed, the caller's tenant and salt, the request as its group."""
+                      caller: Caller, output=None) -> pb.GenerateRequest:
+        """Choice ``index``'s call: its own seed, the caller's tenant and salt, the request as its
+        group; special tokens kept when ``output`` (its parser chain) looks for markers."""
         try:
             sampling = pb.SamplingParams(**parsed.sampling)
+            if output is not None and output.needs_special_tokens:
+                sampling.skip_special_tokens = False   # the parsers' markers may be special tokens
             if parsed.seed is not None:
                 sampling.seed = _wrap_seed(parsed.seed + index % parsed.n)
             if parsed.logprobs is not None:
                 sampling.logprobs = parsed.logprobs
+            if parsed.structured is not None:
+                sampling.structured_outputs.CopyFrom(structured_to_proto(parsed.structured))
             return pb.GenerateRequest(request_id=f"{request_id}-{index}", token_ids=pb.TokenIds(ids=ids),
                                       sampling=sampling, tenant=caller.tenant, cache_salt=parsed.cache_salt,
                                       group_id=request_id)
@@ -496,8 +543,8 @@ class RouterCore:
             raise bad_request(f"invalid request: {exc}") from exc
 
     async def _start(self, parsed: ParsedRequest, prompt_ids: list[list[int]], started: float,
-                     deadline: float | None, caller: Caller = _NOBODY, hashes: list[int] = (),
-                     requests: list[pb.GenerateRequest] | None = None) -> _Run:
+                     deadline: float | None, caller: Caller = _NOBODY, outputs: list | None = None,
+                     hashes: list[int] = (), requests: list[pb.GenerateRequest] | None = None) -> _Run:
         """Open every choice's call on the replica the routing policy chooses (``hashes``: the first
         prompt's block hashes, for prefix-aware routing) and read its first response; a replica
         whose queue is full is skipped for the next one. ``requests``: the calls as they are (the
@@ -537,12 +584,15 @@ class RouterCore:
             if timeout is not None and timeout <= 0:
                 lease.release()
                 raise timed_out(self._timeout_message())
-            stub = lease.stub   # the lease keeps the channel open even if the replica moves
+            # the lease keeps the channel (and its credential) even if the replica moves
+            link = self._link(lease.stub, lease.metadata)
+            outputs = outputs or [None] * (len(prompt_ids) * n)
             calls: list = []
             try:   # NOTE: every call is built in here: whatever fails, the lease is paid back
-                for request in requests or (self._grpc_request(parsed, request_id, ids, p * n + j, caller)
-                                            for p, ids in enumerate(prompt_ids) for j in range(n)):
-                    calls.append(stub.Generate(request, timeout=timeout, metadata=lease.metadata))
+                for request in requests or (
+                        self._grpc_request(parsed, request_id, ids, p * n + j, caller, outputs[p * n + j])
+                        for p, ids in enumerate(prompt_ids) for j in range(n)):
+                    calls.append(link.generate(request, timeout))
                 firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
             except BaseException:  # a bad value, or cancelled: the client left before the first token
                 for call in calls:
@@ -559,7 +609,8 @@ class RouterCore:
                 raise failure
             code = failure.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt")
+                raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt",
+                                      parsed.structured_param)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise timed_out(self._timeout_message())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -571,8 +622,8 @@ class RouterCore:
         self._count_route(lease, len(prompt_ids[0]))
         self.metrics.in_flight.inc()
         run = _Run(parsed, request_id, int(time.time()), self.served_names[0], lease, calls,
-                   [Choice(i) for i in range(len(calls))], [None] * len(calls), started, caller=caller,
-                   first_responses=firsts)
+                   [Choice(i, output=outputs[i] if outputs else None) for i in range(len(calls))],
+                   [None] * len(calls), started, caller=caller, first_responses=firsts)
         for index, first in enumerate(firsts):
             if first is not grpc.aio.EOF:
                 self._absorb(run, index, first)
@@ -600,6 +651,8 @@ class RouterCore:
         choice.logprobs += resp.logprobs
         choice.prompt_tokens, choice.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
         choice.cached_tokens = resp.usage.cached_tokens
+        if resp.usage.HasField("spec_decode"):
+            choice.spec_decode = resp.usage.spec_decode
         if resp.finish_reason:
             choice.finish_reason = resp.finish_reason
 
@@ -663,7 +716,9 @@ class RouterCore:
             if on_response is not None:
                 await on_response(index, resp)
 
-    async def _complete(self, run: _Run) -> Response:
+    async def _read_run(self, run: _Run) -> JSONResponse | None:
+        """Read every choice of a non-streamed run to its end and settle it; the error answer when
+        a replica failed (None: all finished)."""
         try:
             await asyncio.gather(*(self._read_all(run, i) for i in range(len(run.calls))))
             run.status, run.outcome = 200, "finished"
@@ -672,6 +727,12 @@ class RouterCore:
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             self._finish(run)
+        return None
+
+    async def _complete(self, run: _Run) -> Response:
+        error = await self._read_run(run)
+        if error is not None:
+            return error
         body = response_body(run.parsed.kind, run.request_id, run.created, run.model, run.choices, self.token_text,
                              run.parsed.logprobs is not None, run.parsed.n)
         return JSONResponse(body)
@@ -680,7 +741,16 @@ class RouterCore:
         """The SSE event for one response of choice ``index`` whose text starts at character
         ``offset`` of the choice (None when the response carries nothing)."""
         reason = finish_reason(resp.finish_reason)
-        if not resp.text and not resp.logprobs and reason is None:
+        output, fields = run.choices[index].output, None
+        if output is not None:   # parsed chat: reasoning, content and tool-call deltas
+            delta = output.feed(resp.text) if resp.text else ChoiceDelta()
+            if reason is not None:
+                delta.extend(output.finish())
+                reason = output.finish_reason(reason)
+            fields = delta_body(delta)
+            if not fields and not resp.logprobs and reason is None:
+                return None
+        elif not resp.text and not resp.logprobs and reason is None:
             return None
         logprobs = None
         if run.parsed.logprobs is not None and resp.logprobs:
@@ -689,7 +759,7 @@ class RouterCore:
             else:
                 logprobs = completion_logprobs(resp.logprobs, self.token_text, offset)
         body = chunk_body(run.parsed.kind, run.request_id, run.created, run.model, index, text=resp.text or None,
-                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage)
+                          logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage, fields=fields)
         return _sse_data(body)
 
     def _drop_slow_client(self, run: _Run) -> None:
@@ -738,25 +808,35 @@ class RouterCore:
                     yield event
             open_calls = len(tasks)
             while open_calls:
+                # Every event already waiting goes out in one write: a stream that fell behind catches up
+                # in one message through Serve instead of one per token; nothing is held back.
+                events, failed = [], None
                 index, item, offset = await queue.get()
                 if run.outcome == "dropped":
                     return
-                if item is None:
-                    open_calls -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    err = self._failed(run, item)
+                while True:
+                    if item is None:
+                        open_calls -= 1
+                    elif isinstance(item, grpc.aio.AioRpcError):
+                        failed = item
+                        break
+                    else:
+                        events.append(self._event(run, index, item, offset) or "")
+                    if queue.empty():
+                        break
+                    index, item, offset = queue.get_nowait()
+                if failed is not None:
+                    err = self._failed(run, failed)
                     run.status = 200   # the stream had started: the error is its last event
-                    yield _sse_data(err.body())
+                    yield "".join(events) + _sse_data(err.body())
                     break
-                else:
-                    event = self._event(run, index, item, offset)
-                    if event:
-                        yield event
+                if any(events):
+                    yield "".join(events)
             else:
                 if run.parsed.include_usage:
                     prompt = sum({c.index // run.parsed.n: c.prompt_tokens for c in run.choices}.values())
                     yield _sse_data(usage_chunk(kind, run.request_id, run.created, run.model, prompt,
-                                                sum(c.completion_tokens for c in run.choices)))
+                                                sum(c.completion_tokens for c in run.choices), run.choices))
                 run.outcome = "finished"
             yield "data: [DONE]\n\n"
         finally:

@@ -24,21 +24,24 @@ from collections.abc import AsyncIterator
 from shardserve.cluster.config import EngineArgs
 from shardserve.cluster.engine.engine import EngineCore, RequestOutput
 from shardserve.cluster.replica.cache_events import CacheEventHub
+from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.engine.scheduler import SchedulerConfig
 from shardserve.cluster.frontend.limits import TOKENIZER_THREADS, run_tokenizer
 from shardserve.cluster.frontend.security import FrontConfig, key_digest
+from shardserve.cluster.frontend.structured import GrammarCompiler
 from shardserve.cluster.replica.reload_guard import (
     SWAP_ALLOWANCE_S, ReloadRefused, allowed_root, checkpoint_under_root, cluster_reload_lock, lock_name)
 from shardserve.cluster.tokenizer import encode_chat, encode_prompt, eos_token_ids, load_tokenizer
 from shardserve.cluster.replica.weight_swap import ReloadResult, check_mode, check_replacement, swap_weights
-from shardserve.cluster.replica.worker_group import GroupConfig, RemoteDrafter, WorkerDiedError, WorkerGroup
+from shardserve.cluster.replica.worker_group import DraftSpec, GroupConfig, WorkerDiedError, WorkerGroup
 from shardserve.workers.checkpoint_compat import CheckpointManifest
 from shardserve.workers.model_source import load_config, model_context_length, resolve_model
 
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -66,8 +69,8 @@ class Coordinator:
         front: what the gRPC server enforces (API keys, TLS, admission, request timeout).
 
     When created inside a placement group, shard worker i uses bundle ``i + 1`` of it (bundle 0
-    is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) bundle
-    ``tensor_parallel_size + 1``; otherwise the worker group makes its own placement group.
+    is the coordinator's own) and the MTP draft worker (``args.speculative_tokens > 0``) shares
+    rank 0's; otherwise the worker group makes its own placement group.
     """
 
     def __init__(self, args: EngineArgs, group: GroupConfig | None = None, front: FrontConfig | None = None) -> None:
@@ -90,25 +93,28 @@ class Coordinator:
         group.tensor_parallel_size = args.tensor_parallel_size
         self.group_config = group
         pg = get_current_placement_group()
+        draft = (DraftSpec(args.draft_buffer_sizes(), args.seed, args.device, args.dtype)
+                 if args.speculative_tokens else None)
         self.group = WorkerGroup(
             self.files, self.hf_config, args.runner_config(), group, args.max_num_batched_tokens, args.max_num_seqs,
-            placement=(pg, 1) if pg is not None else None)
+            placement=(pg, 1) if pg is not None else None, draft=draft)
         try:
             max_len = args.fit_max_model_len(model_context_length(self.hf_config),
                                              self.group.num_blocks)
         except ValueError:
             self.group.shutdown()
             raise
-        self.drafter, speculator = self._start_drafter(args, group, pg), None
+        self.drafter, speculator = self.group.drafter, None
         if self.drafter is not None:
             from shardserve.cluster.engine.speculative import Speculator
 
-            speculator = Speculator(self.drafter, args.speculative_tokens)
+            speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
                                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                               eos_token_ids(self.tokenizer, self.hf_config), self.hf_config.vocab_size,
-                               args.enable_prefix_caching, speculator=speculator,
-                               num_state_slots=self.group.num_state_slots)
+                               eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+                               num_state_slots=self.group.num_state_slots,
+                               grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.cache_events = CacheEventHub(self.core.block_manager)   # the router's view of the prefix cache
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
@@ -134,18 +140,6 @@ class Coordinator:
         logger.info("replica ready: %s, TP=%d (%s, %s%s), %d KV blocks", self.files.name, args.tensor_parallel_size,
                     self.group.collective, group.dispatch, ", async scheduling" if self._pipelined else "",
                     self.group.num_blocks)
-
-    def _start_drafter(self, args: EngineArgs, group: GroupConfig, pg) -> RemoteDrafter | None:
-        """The MTP draft worker when speculation is on (stops the shard workers if it fails)."""
-        if not args.speculative_tokens:
-            return None
-        try:
-            return RemoteDrafter(self.files, self.hf_config, args.block_size, self.group.num_blocks, group,
-                                 (pg, args.tensor_parallel_size + 1) if pg is not None else None, args.seed,
-                                 device=args.device, dtype=args.dtype)
-        except Exception:
-            self.group.shutdown()
-            raise
 
     # -- engine loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -206,7 +200,7 @@ class Coordinator:
                 return
             batch, submitted, started = in_flight.popleft()
             try:
-                result = await asyncio.to_thread(self.group.collect, submitted)
+                result = await self.group.collect_async(submitted)
             except WorkerDiedError as exc:
                 await self._fail(str(exc))   # a step sent ahead failed with it: fail_all covers both
                 return
@@ -215,6 +209,7 @@ class Coordinator:
             if in_flight:
                 in_flight[0][2] = time.perf_counter()   # the step sent ahead starts when this one is back
             if self.core.speculator is not None:   # draft the next step's tokens
+                self.core.speculator.observe_step(batch, time.perf_counter() - started)
                 try:
                     await self.core.speculator.propose_async(self.core, batch, result)
                 except WorkerDiedError as exc:
@@ -312,9 +307,7 @@ class Coordinator:
             raise RuntimeError(self.failed)
 
     def _stop_workers(self) -> None:
-        self.group.shutdown()
-        if self.drafter is not None:
-            self.drafter.shutdown()
+        self.group.shutdown()   # the draft worker too
 
     # -- weight reload ------------------------------------------------------------------------------
     async def reload_weights(self, model: str | None = None, mode: str | None = None) -> dict:
@@ -427,12 +420,21 @@ class Coordinator:
             ValueError: a malformed prompt.
             QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
         """
+        return await self.on_tokenizer(self.encode, text, chat)
+
+    async def on_tokenizer(self, fn, *args):
+        """``fn(*args)`` (a tokenizing job: rendering a chat, encoding) on the tokenizer threads,
+        counted against the same queue as :meth:`encode_async`.
+
+        Raises:
+            QueueFull: ``front.max_queued_requests`` tokenizations already wait (besides the running ones).
+        """
         if self._pending_tokenize >= self.front.max_queued_requests + TOKENIZER_THREADS:
             raise QueueFull(f"{self._pending_tokenize} prompts are being tokenized on this replica "
                             f"(--max-queued-requests {self.front.max_queued_requests}); retry later")
         self._pending_tokenize += 1
         try:
-            return await run_tokenizer(self.encode, text, chat)
+            return await run_tokenizer(fn, *args)
         finally:
             self._pending_tokenize -= 1
 
@@ -474,7 +476,11 @@ class Coordinator:
             raise ReplicaUnavailable("draining: this replica is being replaced; retry on another")
         self._admit(group)
         self._ensure_loop()
-        rid = self.core.add_request(prompt_ids, params, request_id, cache_seed=cache_seed)
+        compiled = None
+        if params.structured_outputs is not None:   # off the event loop (cached per constraint)
+            self.core.validate(prompt_ids, params)
+            compiled = await self._compile(params, deadline)
+        rid = self.core.add_request(prompt_ids, params, request_id, cache_seed=cache_seed, compiled_grammar=compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         if group is not None:
@@ -505,6 +511,25 @@ class Coordinator:
                 self._group_calls[group] -= 1
                 if not self._group_calls[group]:
                     del self._group_calls[group]
+
+    async def _compile(self, params: SamplingParams, deadline: float | None):
+        """The request's compiled grammar, from the compile pool, within ``GRAMMAR_COMPILE_TIMEOUT_S``
+        (and the request's deadline).
+
+        Raises:
+            ValueError: it does not compile, or not in time (message starts ``structured_outputs:``).
+            DeadlineExceeded: the request's deadline passed first.
+        """
+        limit = GRAMMAR_COMPILE_TIMEOUT_S
+        if deadline is not None:
+            limit = min(limit, deadline - asyncio.get_running_loop().time())
+        try:
+            return await asyncio.wait_for(self.core.grammar_compiler.compile_async(params.structured_outputs), limit)
+        except TimeoutError:
+            if limit < GRAMMAR_COMPILE_TIMEOUT_S:
+                raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+            raise ValueError(f"structured_outputs: the constraint did not compile within "
+                             f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; simplify it") from None
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams) -> dict:
         """Whole completion (Ray-callable): ``{"token_ids", "text", "finish_reason", "logprobs"}``."""
@@ -548,6 +573,7 @@ class Coordinator:
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
             "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
+            "num_grammar_matchers": num_live_grammars(),
         }
 
     def placement(self) -> dict:
@@ -560,7 +586,7 @@ class Coordinator:
 
     def speculative_metrics(self) -> str:
         """MTP acceptance counters in Prometheus text format (empty when speculation is off)."""
-        return self.core.speculator.stats.prometheus_text() if self.core.speculator else ""
+        return self.core.speculator.stats.prometheus_text(self.files.name) if self.core.speculator else ""
 
     def _architecture(self) -> str:
         from shardserve.workers.models.registry import model_class
@@ -569,6 +595,10 @@ class Coordinator:
 
     def worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.group.rank_info]
+
+    def memory_plans(self) -> list[str]:
+        """Each rank's start-up memory plan (``workers/plan.py``; ``shardserve plan`` prints the same)."""
+        return [info["memory"]["plan"] for info in self.group.rank_info]
 
     async def start_grpc(self, port: int = 50051, host: str = "127.0.0.1") -> str:
         """Start the gRPC server on this actor's event loop; returns ``host:port`` to dial (this
@@ -603,6 +633,7 @@ class Coordinator:
             await self._grpc.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self.core.grammar_compiler.shutdown()
         await asyncio.to_thread(self._stop_workers)
 
 
@@ -613,8 +644,8 @@ def default_cpus_per_worker(tensor_parallel_size: int) -> float:
 
 def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = None,
                        front: FrontConfig | None = None):
-    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers, N + 1: the
-    MTP draft worker when ``args.speculative_tokens > 0``) and start a coordinator actor in it.
+    """Reserve a placement group (bundle 0: coordinator, bundles 1..N: shard workers; the MTP draft
+    worker, when ``args.speculative_tokens > 0``, shares bundle 1) and start a coordinator actor in it.
 
     Returns:
         ``(actor handle, placement group)``; the caller removes the group when done.
@@ -627,7 +658,7 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     worker_bundle = {"CPU": group.cpus_per_worker, **({"GPU": group.gpus_per_worker} if group.gpus_per_worker else {})}
-    num_workers = args.tensor_parallel_size + (1 if args.speculative_tokens else 0)   # + the draft worker
+    num_workers = args.tensor_parallel_size
     pg = placement_group([{"CPU": 1.0}] + [dict(worker_bundle) for _ in range(num_workers)],
                          strategy=group.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=120)
@@ -635,8 +666,7 @@ def launch_coordinator(args: EngineArgs, group: GroupConfig, name: str | None = 
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)
-        raise TimeoutError(f"the Ray cluster cannot fit 1 + {num_workers} bundles "
-                           f"({worker_bundle} per shard or draft worker)")
+        raise TimeoutError(f"the Ray cluster cannot fit 1 + {num_workers} bundles ({worker_bundle} per shard worker)")
     options = {"num_cpus": 1.0, "max_concurrency": 1000,
                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)}
     if name:

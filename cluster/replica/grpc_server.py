@@ -13,6 +13,10 @@ deadline or ``request_timeout``, UNAVAILABLE when the replica lost a shard worke
 NOT_SERVING while it repairs itself, SERVING again after), ABORTED for a stream ended by a weight
 reload with ``mode="abort"``. A client cancelling ``Generate``, or its deadline passing, aborts the
 request and frees its KV blocks.
+
+``GenerateStream`` (the router's link, :class:`StreamLink`) carries many requests in one call under
+the same rules per request (the call's caller, every field of ``GenerateRequest``, deadlines); a
+request's error is a ``StreamError`` with the status ``Generate`` would have ended with.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from shardserve.cluster.engine.block_manager import cache_seed
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.frontend.limits import LimitExceeded, Limits, RateLimiter
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
+from shardserve.cluster.frontend.structured import structured_from_proto
+from shardserve.cluster.replica.grpc_chat import chat_chars, chat_prompt, parsed_response
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -41,16 +47,19 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling fields -> :class:`SamplingParams` (unset optionals keep the defaults)."""
     params = SamplingParams(max_tokens=None, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                             ignore_eos=msg.ignore_eos)
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens"):
         if msg.HasField(field):
             setattr(params, field, getattr(msg, field))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        params.logit_bias = dict(msg.logit_bias)
+    params.bad_words = list(msg.bad_words)
+    if msg.allowed_token_ids:
+        params.allowed_token_ids = list(msg.allowed_token_ids)
     params.validate()
     return params
-
-
-def chat_messages(msg: pb.Chat) -> list[dict]:
-    """A proto chat as the tokenizer's messages."""
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
 def _response(out) -> pb.GenerateResponse:
@@ -61,7 +70,17 @@ def _response(out) -> pb.GenerateResponse:
                   for lp in out.new_logprobs],
         finish_reason=out.finish_reason or "",
         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                       cached_tokens=out.num_cached_tokens))
+                       cached_tokens=out.num_cached_tokens,
+                       spec_decode=_spec_usage(out.spec_decode)))
+
+
+def _spec_usage(spec) -> pb.SpecDecodeUsage | None:
+    """A request's :class:`cluster.engine.request.SpecUsage` as the proto message (None: speculation off)."""
+    if spec is None:
+        return None
+    return pb.SpecDecodeUsage(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                              num_accepted_tokens=spec.num_accepted_tokens,
+                              acceptance_length=spec.acceptance_length)
 
 
 ADMIN_METHODS = frozenset({f"/{SERVICE}/ReloadWeights"})   # admin key (or the router's token) only
@@ -155,52 +174,73 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Who calls (the interceptor already refused unknown keys)."""
         return self.front.identify(request_authorization(context.invocation_metadata())) or Caller(ANONYMOUS, ANONYMOUS)
 
-    async def _prompt_ids(self, request) -> list[int]:
+    async def _prompt(self, request, params: SamplingParams) -> tuple[list[int], object]:
+        """Prompt ids, and the output chain when the request asks for parsing (else None); chats
+        are checked, rendered and tokenized on the tokenizer threads."""
         kind = request.WhichOneof("prompt")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
+        parsing = request.parsing if request.HasField("parsing") else None
         if kind == "chat":
-            chat = chat_messages(request.chat)
-            self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-            return await self.coordinator.encode_async(chat=chat)
+            self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+            return await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                       parsing, params)
+        if parsing is not None:
+            raise ValueError("parsing: needs a chat prompt (its template and tools tell how to read the answer)")
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
         self.limits.check_prompt_chars(len(request.text), "text")
-        return await self.coordinator.encode_async(text=request.text)
+        return await self.coordinator.encode_async(text=request.text), None
 
-    async def Generate(self, request, context):
-        from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
+    async def _stream(self, request, caller: Caller, deadline: float | None):
+        """The responses to one ``GenerateRequest`` of ``caller`` (``Generate`` and
+        ``GenerateStream`` alike): the caller's request and token rates (direct callers only: the
+        router's calls were counted at the router), prompt limits, the tenant's prefix-cache salt and
+        the request group (the router's only), the deadline (event-loop time), then the engine; the
+        output parsed (tool calls, reasoning) when the request asks for it.
 
-        caller, charged, used = self._caller(context), 0, 0
+        Raises:
+            Exception: a request's error, mapped to its status by :func:`_status_of`.
+        """
+        charged, used = 0, 0
         try:
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
-            prompt_ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            prompt_ids, output = await self._prompt(request, params)
             if not caller.privileged:
                 charged = self.rates.charge_tokens(caller.key_id, len(prompt_ids) + (params.max_tokens or 0))
             tenant = request.tenant if caller.privileged else caller.tenant
             group = request.group_id if caller.privileged and request.group_id else None
-            stream = self.coordinator.generate(prompt_ids, params, request.request_id or None,
-                                               deadline=_deadline(context, self.front.request_timeout),
+            stream = self.coordinator.generate(prompt_ids, params, request.request_id or None, deadline=deadline,
                                                cache_seed=cache_seed(tenant, request.cache_salt), group=group)
             async for out in stream:
                 used = out.num_prompt_tokens + out.num_output_tokens
-                yield _response(out)
-        except LimitExceeded as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status in (413, 429) else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DeadlineExceeded as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except ReplicaUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
-        except RequestAborted as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+                yield _response(out) if output is None else parsed_response(_response(out), output)
         finally:
             if charged:
                 self.rates.settle(caller.key_id, charged, used)
+
+    async def Generate(self, request, context):
+        try:
+            async for resp in self._stream(request, self._caller(context),
+                                           _deadline(context, self.front.request_timeout)):
+                yield resp
+        except Exception as exc:  # noqa: BLE001 - mapped to its status, or re-raised (UNKNOWN)
+            status = _status_of(exc)
+            if status is None:
+                raise
+            await context.abort(*status)
+
+    async def GenerateStream(self, request_iterator, context):
+        """Many requests over one call (:class:`StreamLink`), each under ``Generate``'s rules for the
+        call's caller; one response per engine step."""
+        link = StreamLink(self, self._caller(context))
+        reader = asyncio.create_task(link.read(request_iterator))
+        try:
+            while True:
+                yield await link.next_batch()
+        finally:
+            reader.cancel()
+            link.close()
 
     async def Tokenize(self, request, context):
         from shardserve.cluster.replica.coordinator import QueueFull
@@ -210,9 +250,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not caller.privileged:
                 self.rates.admit_request(caller.key_id)
             if request.WhichOneof("prompt") == "chat":
-                chat = chat_messages(request.chat)
-                self.limits.check_prompt_chars(sum(len(m["content"]) for m in chat), "chat")
-                ids = await self.coordinator.encode_async(chat=chat)
+                self.limits.check_prompt_chars(chat_chars(request.chat), "chat")
+                ids, _ = await self.coordinator.on_tokenizer(chat_prompt, self.coordinator.tokenizer, request.chat,
+                                                             None, None)
             else:
                 self.limits.check_prompt_chars(len(request.text), "text")
                 ids = await self.coordinator.encode_async(text=request.text)
@@ -245,6 +285,98 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ReplicaUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}")
         return pb.ReloadWeightsResponse(**result)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a Generate call ends with for ``exc`` (None: not a request's error)."""
+    from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull, ReplicaUnavailable, RequestAborted
+
+    if isinstance(exc, LimitExceeded):   # a ValueError: 400 is INVALID_ARGUMENT, 413 / 429 are not
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status in (413, 429) else grpc.StatusCode.INVALID_ARGUMENT
+        return code, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, ReplicaUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, f"replica unavailable: {exc}"
+    if isinstance(exc, RequestAborted):
+        return grpc.StatusCode.ABORTED, str(exc)
+    return None
+
+
+class StreamLink:
+    """The coordinator's side of one ``GenerateStream`` call.
+
+    Each started request runs as a task that appends its responses to one outbox; the call's
+    writer sends the outbox whenever it is not empty. The engine loop hands a step's outputs to
+    every request at once, and their tasks all run before the writer wakes, so a step that
+    produced tokens for many requests of this call is one message (vLLM's batched engine-core
+    outputs); a single stream is never held back.
+    """
+
+    def __init__(self, servicer: InferenceServicer, caller: Caller) -> None:
+        self.servicer, self.caller = servicer, caller
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.responses: list[pb.GenerateResponse] = []
+        self.errors: list[pb.StreamError] = []
+        self.ready = asyncio.Event()
+
+    async def read(self, request_iterator) -> None:
+        """Start and cancel requests as the client sends them."""
+        async for msg in request_iterator:
+            if msg.WhichOneof("kind") == "generate":
+                rid = msg.generate.request_id
+                if not rid or rid in self.tasks:
+                    self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is empty or in use")
+                    continue
+                if len(self.tasks) >= GRPC_MAX_STREAMS_PER_CONNECTION:   # as many as Generate calls on a connection
+                    self._fail(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {GRPC_MAX_STREAMS_PER_CONNECTION} "
+                               "requests open on this GenerateStream call")
+                    continue
+                deadline = asyncio.get_running_loop().time() + msg.timeout_s if msg.timeout_s > 0 else None
+                limit = self.servicer.front.request_timeout
+                if limit:
+                    deadline = min(deadline or math.inf, asyncio.get_running_loop().time() + limit)
+                self.tasks[rid] = asyncio.create_task(self._run(msg.generate, deadline))
+            elif msg.WhichOneof("kind") == "cancel":
+                task = self.tasks.pop(msg.cancel, None)
+                if task is not None:
+                    task.cancel()   # leaving the coordinator's stream aborts the request, frees its blocks
+
+    async def _run(self, request: pb.GenerateRequest, deadline: float | None) -> None:
+        rid = request.request_id
+        try:
+            async for resp in self.servicer._stream(request, self.caller, deadline):
+                self.responses.append(resp)
+                self.ready.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure ends this request only
+            status = _status_of(exc) or (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._fail(rid, *status)
+        finally:
+            self.tasks.pop(rid, None)
+
+    def _fail(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
+        self.errors.append(pb.StreamError(request_id=request_id, code=code.value[0], details=details))
+        self.ready.set()
+
+    async def next_batch(self) -> pb.StreamResponse:
+        """Everything produced since the last batch (waits until there is something)."""
+        await self.ready.wait()
+        self.ready.clear()
+        batch = pb.StreamResponse(responses=self.responses, errors=self.errors)
+        self.responses, self.errors = [], []
+        return batch
+
+    def close(self) -> None:
+        """The call ended (the router went away): abort every request still running on it."""
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
 
 
 class GrpcServer:

@@ -70,6 +70,8 @@ def repair_replica(group: WorkerGroup, drafter: RemoteDrafter | None, timeout_s:
     infos = group.repair(report.dead_ranks, max(0.1, deadline - time.monotonic()))
     if drafter is not None:
         report.draft_restarted = drafter.repair(draft_dead, max(0.1, deadline - time.monotonic()))
+        if report.draft_restarted or 0 in report.dead_ranks:   # a new process on either side: new buffers
+            group.link_draft(fresh=True)
     report.files_changed = (any(info["fingerprint"] != before[rank] for rank, info in zip(report.dead_ranks, infos))
                             or (report.draft_restarted and drafter.info["fingerprint"] != draft_before))
     if report.files_changed:
@@ -99,6 +101,6 @@ def probe_workers(group: WorkerGroup, drafter: RemoteDrafter | None, timeout_s: 
         raise WorkerDiedError(f"a worker failed its liveness check: {type(exc).__name__}") from exc
     roles = [("shard", rank, group.bundle_index(rank)) for rank in range(len(group.workers))]
     if drafter is not None:
-        roles.append(("draft", 0, drafter.placement[1] if drafter.placement is not None else -1))
+        roles.append(("draft", 0, drafter.placement[1]))
     return [dict(answer, role=role, rank=rank, bundle_index=bundle)
             for answer, (role, rank, bundle) in zip(answers, roles)]

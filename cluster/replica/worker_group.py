@@ -2,7 +2,10 @@
 
 Placement: one bundle per rank. Inside a placement group that already exists (a Serve replica's,
 or the one ``serve-grpc`` makes for the coordinator), rank i takes bundle ``i + bundle_offset``;
-we never create a nested group there. Otherwise a group is made here (PACK on one node by
+we never create a nested group there. With MTP speculation the draft worker shares rank 0's bundle
+(a small fraction of its CPUs and GPU: it runs while rank 0 waits, on the same device, so TP=N with
+MTP needs N GPUs), loads its weights and shared buffers before the ranks size their caches, and
+counts its caches in rank 0's budget; rank 0 maps the buffers once (``workers/draft_buffers.py``). Otherwise a group is made here (PACK on one node by
 default; SPREAD, STRICT_PACK and STRICT_SPREAD allowed). Ranks on different Ray nodes always use
 the network collective (gloo on CPU, NCCL on GPU), never the shared-memory one. Dispatch: a Ray Compiled Graph (shared-memory channels, no task round
 trip per step) or plain actor calls; both send the same StepPlan to every rank at once.
@@ -10,6 +13,7 @@ trip per step) or plain actor calls; both send the same StepPlan to every rank a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -23,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.engine.step_timer import StepTimer
 from shardserve.workers.distributed import collective_kind
+from shardserve.workers.draft_buffers import BufferSizes
 from shardserve.workers.draft_worker import DraftWorker
 from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
 from shardserve.workers.model_runner import RunnerConfig
@@ -50,8 +55,27 @@ class GroupConfig:
     device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
 
 
+DRAFT_SHARE = 0.01   # of rank 0's bundle (CPUs and GPUs) reserved for the MTP draft actor
+
+
+@dataclass(slots=True)
+class DraftSpec:
+    """The replica's MTP draft worker (speculation on)."""
+
+    sizes: BufferSizes       # what the buffers shared with rank 0 hold
+    seed: int = 0            # seed of its generator for unseeded requests
+    device: str = "auto"     # as the shard workers' --device / --dtype
+    dtype: str = "auto"
+
+
+def draft_resources(config: GroupConfig) -> tuple[float, float]:
+    """``(CPUs, GPUs)`` of the draft actor inside rank 0's bundle (multiples of Ray's 0.0001)."""
+    share = lambda amount: max(0.0001, round(amount * DRAFT_SHARE, 4)) if amount else 0.0  # noqa: E731
+    return share(config.cpus_per_worker), share(config.gpus_per_worker)
+
+
 class WorkerGroup:
-    """The ranks of one model replica.
+    """The ranks of one model replica (and its MTP draft worker).
 
     Args:
         files, hf_config: the model.
@@ -59,15 +83,18 @@ class WorkerGroup:
         config: placement and communication.
         max_batched_tokens, max_num_seqs: sizes of the largest collective payloads (shm slots).
         placement: an existing placement group and the bundle index of rank 0 in it.
+        draft: the MTP draft worker to start in rank 0's bundle (:attr:`drafter`), or None.
 
     Raises:
-        WorkerDiedError: a rank failed to start (the message carries its error).
+        WorkerDiedError: a rank or the draft worker failed to start (the message carries its error).
     """
 
     def __init__(self, files: ModelFiles, hf_config, runner_config: RunnerConfig, config: GroupConfig,
                  max_batched_tokens: int, max_num_seqs: int,
-                 placement: tuple[PlacementGroup, int] | None = None) -> None:
+                 placement: tuple[PlacementGroup, int] | None = None, draft: DraftSpec | None = None) -> None:
         self.config = config
+        if 0 < config.gpus_per_worker < 1:   # ranks sharing a GPU: each plans for its share
+            runner_config = dataclasses.replace(runner_config, gpu_fraction=config.gpus_per_worker)
         self.files, self.hf_config, self.runner_config = files, hf_config, runner_config
         self._max_sizes = (max_batched_tokens, max_num_seqs)
         tp = config.tensor_parallel_size
@@ -78,23 +105,35 @@ class WorkerGroup:
             ray.get(self._own_pg.ready(), timeout=120)
             placement = (self._own_pg, 0)
         self._placement = placement
+        self._with_draft = draft is not None
         self.workers = [self._spawn(rank) for rank in range(tp)]
+        self.drafter: RemoteDrafter | None = None
         self._segment = None
         self._dag = None
         self._step_timer = StepTimer()
+        configs = [runner_config] * tp
         try:
+            if draft is not None:   # first: its weights and buffers are in use when rank 0 sizes its caches
+                self.drafter = RemoteDrafter(files, hf_config, runner_config.block_size, config,
+                                             (placement[0], self.bundle_index(0)), draft)
+                configs[0] = dataclasses.replace(runner_config, draft_on_device=True)   # in rank 0's plan
             self.collective = self._init_collective()
-            infos = _first_failure_get([w.load.remote(files, hf_config, runner_config) for w in self.workers])
+            infos = _first_failure_get([w.load.remote(files, hf_config, c) for w, c in zip(self.workers, configs)])
         except Exception as exc:
             self.shutdown()
             cause = getattr(exc, "cause", None)
             if isinstance(cause, ValueError):   # a bad device request or a model that does not fit: say it as is
                 raise cause from None
+            if isinstance(exc, WorkerDiedError):
+                raise
             raise WorkerDiedError(f"shard workers failed to start: {exc}") from exc
         self.num_blocks = min(info["max_num_blocks"] for info in infos)
         self.num_state_slots = infos[0]["num_state_slots"]   # same on every rank (max_num_seqs + 1 or 0)
         try:
             cache_bytes = _first_failure_get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
+            if self.drafter is not None:
+                self.drafter.allocate_caches(self.num_blocks)
+                self.link_draft()
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"shard workers failed to allocate their caches: {exc}") from exc
@@ -102,18 +141,23 @@ class WorkerGroup:
             info["cache_bytes"] = nbytes
             mem = info["memory"]
             logger.info("TP rank %d (pid %d, %s, %s): weights %.1f MiB, activations %.1f MiB, KV cache %.1f MiB in "
-                        "%d blocks", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
-                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks)
+                        "%d blocks; plan: %s", rank, info["pid"], mem["device"], mem["dtype"], mem["weights"] / 2**20,
+                        mem["activation"] / 2**20, nbytes / 2**20, self.num_blocks, mem["plan"])
         self.rank_info = infos
         if config.dispatch == "compiled":
             self._compile()
 
     def _spawn(self, rank: int):
-        """A new (not yet loaded) ShardWorker actor for ``rank`` in its own bundle."""
+        """A new (not yet loaded) ShardWorker actor for ``rank`` in its own bundle (rank 0 leaves the
+        draft actor its share)."""
         pg, offset = self._placement
         config = self.config
+        cpus, gpus = config.cpus_per_worker, config.gpus_per_worker
+        if rank == 0 and self._with_draft:
+            draft_cpus, draft_gpus = draft_resources(config)
+            cpus, gpus = round(cpus - draft_cpus, 4), round(gpus - draft_gpus, 4)
         return ray.remote(ShardWorker).options(
-            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker,
+            num_cpus=cpus, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=offset + rank),
         ).remote(rank, config.tensor_parallel_size, max(1, int(config.cpus_per_worker)))
@@ -121,6 +165,17 @@ class WorkerGroup:
     def bundle_index(self, rank: int) -> int:
         """The placement-group bundle that rank ``rank`` (and any replacement of it) runs in."""
         return self._placement[1] + rank
+
+    def link_draft(self, fresh: bool = False) -> None:
+        """Rank 0 maps the draft worker's shared buffers (``fresh``: new ones, after rank 0 or the
+        draft worker was replaced), then their name is removed.
+
+        Raises:
+            RayError: rank 0 or the draft worker failed.
+        """
+        handle = self.drafter.share_buffers(fresh)
+        ray.get(self.workers[0].attach_draft_buffers.remote(handle))
+        self.drafter.release_buffer_name()
 
     def _init_collective(self, timeout_s: float | None = None) -> str:
         """Form a new communicator over the current actors (a new shm segment, gloo port or NCCL id).
@@ -176,7 +231,7 @@ class WorkerGroup:
     def can_pipeline(self) -> bool:
         """Whether steps may be submitted before the previous one's result is read (async
         scheduling): with actor calls, which each rank runs in submission order (rank 0 fills a
-        plan's placeholders and shares them with the other ranks, ``ModelRunner._fill_placeholders``)."""
+        plan's placeholders and shares them with the other ranks, ``ModelRunner._share_placeholders``)."""
         return self._dag is None
 
     def submit(self, plan: StepPlan) -> tuple[list, StepPlan]:
@@ -206,6 +261,23 @@ class WorkerGroup:
                 self._step_timer.observe(plan, result.execute_s)
                 return result
             return _first_failure_get(refs)[0]
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
+    async def collect_async(self, submitted: tuple[list, StepPlan]) -> StepResult:
+        """:meth:`collect` for the coordinator's event loop: with actor calls the ranks' results are
+        awaited on the loop itself (no thread hop per step); a compiled graph's read runs in a thread.
+
+        Raises:
+            WorkerDiedError: any rank died or raised.
+        """
+        if self._dag is not None:
+            return await asyncio.to_thread(self.collect, submitted)
+        refs, _ = submitted
+        try:
+            # gather raises the first failure as soon as it happens (the other ranks may be blocked in
+            # a collective waiting for the failed one; the caller then kills them)
+            return (await asyncio.gather(*refs))[0]
         except Exception as exc:
             raise self._failed(exc) from exc
 
@@ -311,13 +383,15 @@ class WorkerGroup:
             self._segment = None
 
     def shutdown(self) -> None:
-        """Tear down the graph, stop the ranks and free the placement group. Idempotent."""
+        """Tear down the graph, stop the ranks and the draft worker, free the placement group. Idempotent."""
         self._teardown_dag()
         if self._segment is not None:
             self._segment.abort()
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
+        if self.drafter is not None:
+            self.drafter.shutdown()
         self._close_segment()
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
@@ -351,29 +425,27 @@ def _first_failure_get(refs: list) -> list:
 
 
 class RemoteDrafter:
-    """The replica's DraftWorker actor (MTP draft model), beside the shard workers.
+    """The replica's DraftWorker actor (MTP draft model), in rank 0's bundle (see the module
+    docstring); made by :class:`WorkerGroup`.
 
     Args:
         files, hf_config: the model (its MTP layer is loaded).
-        block_size, num_blocks: the target's cache layout (the draft caches share its block ids).
-        config: CPUs/GPUs of the actor (one shard worker's share).
-        placement: an existing placement group and the draft's bundle index in it (None: no group).
-        seed: seed of the draft's generator for unseeded requests.
-        device, dtype: as the shard workers' (``--device``, ``--dtype``).
+        block_size: the target's cache layout (the draft caches share its block ids).
+        config: the group's placement (the actor takes :func:`draft_resources` of rank 0's bundle).
+        placement: the placement group and rank 0's bundle index in it.
+        spec: buffer sizes, seed, device and dtype.
 
     Raises:
         WorkerDiedError: the actor failed to start or load (e.g. the checkpoint has no MTP layer).
     """
 
-    def __init__(self, files: ModelFiles, hf_config, block_size: int, num_blocks: int, config: GroupConfig,
-                 placement: tuple[PlacementGroup, int] | None = None, seed: int = 0, device: str = "auto",
-                 dtype: str = "auto") -> None:
-        self.files, self.hf_config, self.block_size, self.num_blocks = files, hf_config, block_size, num_blocks
-        self.seed, self.placement, self.device, self.dtype = seed, placement, device, dtype
-        self._options = {"num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker}
-        if placement is not None:
-            self._options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement[0], placement_group_bundle_index=placement[1])
+    def __init__(self, files: ModelFiles, hf_config, block_size: int, config: GroupConfig,
+                 placement: tuple[PlacementGroup, int], spec: DraftSpec) -> None:
+        self.files, self.hf_config, self.block_size, self.spec = files, hf_config, block_size, spec
+        self.placement, self.num_blocks = placement, 0
+        cpus, gpus = draft_resources(config)
+        self._options = {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=placement[0], placement_group_bundle_index=placement[1])}
         self._threads = max(1, int(config.cpus_per_worker))
         self.actor = None
         try:
@@ -383,9 +455,24 @@ class RemoteDrafter:
             raise WorkerDiedError(f"draft worker failed to start: {exc}") from exc
 
     def _start(self, timeout_s: float | None) -> None:
+        spec = self.spec
         self.actor = ray.remote(DraftWorker).options(**self._options).remote(self._threads)
-        self.info = ray.get(self.actor.load.remote(self.files, self.hf_config, self.block_size, self.num_blocks,
-                                                   self.dtype, self.seed, self.device), timeout=timeout_s)
+        self.info = ray.get(self.actor.load_weights.remote(self.files, self.hf_config, spec.sizes, self.block_size,
+                                                           spec.dtype, spec.seed, spec.device), timeout=timeout_s)
+        if self.num_blocks:
+            self.allocate_caches(self.num_blocks, timeout_s)
+
+    def allocate_caches(self, num_blocks: int, timeout_s: float | None = None) -> None:
+        """The draft's caches, ``num_blocks`` blocks (the group's count)."""
+        self.num_blocks = num_blocks
+        self.info["cache_bytes"] = ray.get(self.actor.allocate_caches.remote(num_blocks), timeout=timeout_s)
+
+    def share_buffers(self, fresh: bool = False) -> dict:
+        """The shared buffers' handle (``fresh``: new buffers first)."""
+        return ray.get(self.actor.share_buffers.remote(fresh))
+
+    def release_buffer_name(self) -> None:
+        ray.get(self.actor.release_buffer_name.remote())
 
     def propose(self, batch: DraftBatch) -> DraftResult:
         """Run one drafting pass on the actor.
@@ -404,8 +491,9 @@ class RemoteDrafter:
         return bool(unresponsive([self.actor.status.remote()], timeout_s))
 
     def repair(self, dead: bool, timeout_s: float) -> bool:
-        """Replace a dead actor in its own bundle (it loads the MTP weights), or have a live one
-        forget its requests and zero its caches. Returns whether a new actor was started.
+        """Replace a dead actor in rank 0's bundle (it loads the MTP weights and allocates its
+        caches; :meth:`WorkerGroup.link_draft` then gives rank 0 its new buffers), or have a live
+        one forget its requests and zero its caches. Returns whether a new actor was started.
 
         Raises:
             TimeoutError: the new actor was not placed and loaded within ``timeout_s`` (stopped).
@@ -444,7 +532,8 @@ class RemoteDrafter:
         ray.wait([self.actor.discard_reload.remote()], timeout=30)
 
     def shutdown(self) -> None:
-        """Stop the actor. Idempotent."""
+        """Stop the actor (after it removed its buffers' name, if it still answers). Idempotent."""
         if self.actor is not None:
+            ray.wait([self.actor.shutdown.remote()], timeout=5)
             ray.kill(self.actor, no_restart=True)
             self.actor = None

@@ -258,3 +258,27 @@ def test_version_prints_the_installed_package_version(capsys):
         cli.build_parser().parse_args(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"shardserve {version('shardserve')}"
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["serve", "--tool-call-parser", "nope"], "'deepseek_v3', 'deepseek_v31', 'deepseek_v32', 'glm45', 'glm47', "
+                                              "'hermes', 'llama3_json'"),
+    (["generate", "--prompt", "x", "--reasoning-parser", "r2"], "'deepseek_r1', 'deepseek_v3', 'glm45', 'qwen3'"),
+    (["manifest", "--tool-call-parser", "qwen"], "'hermes'"),
+])
+def test_unknown_parser_names_are_one_line_listing_the_names(argv, names, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and names in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (one of: deepseek_v3"),
+    (["generate", "--prompt", "x", "--tools", "t.json"], "--tools needs --chat"),
+    (["generate", "--prompt", "x", "--chat", "--tools", "/no/such/tools.json"], "--tools /no/such/tools.json: No such"),
+    (["generate", "--prompt", "x", "--chat", "--tool-choice", "required"], "'tool_choice' 'required' needs 'tools'"),
+])
+def test_agent_flags_are_checked_before_anything_loads(argv, message, nothing_loads, capsys):
+    code, err = run_main(argv, capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err

@@ -189,7 +189,8 @@ def test_shardserve_manifest_reproduces_the_committed_file(path, capsys):
 
 
 def worker_group(doc: dict) -> dict:
-    (group,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    """The model replicas' worker group (the router has a group of its own)."""
+    (group,) = [g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] != "router"]
     return group
 
 
@@ -302,12 +303,15 @@ def test_generated_clusters_are_closed_by_default(capsys):
         assert err.count("\n") == 1 and message in err, err
     tls = ["--tls-secret", "t", "--ssl-certfile", "/etc/shardserve/tls/tls.crt", "--ssl-keyfile",
            "/etc/shardserve/tls/tls.key"]
+    assert main(["manifest", "--api-key-secret", "k", "--service-type", "LoadBalancer", *tls]) == 2
+    assert "exposes the gRPC endpoint" in capsys.readouterr().err   # the one gRPC Service goes out too
+    tls += ["--grpc-tls-cert", "/etc/shardserve/tls/tls.crt", "--grpc-tls-key", "/etc/shardserve/tls/tls.key"]
     assert main(["manifest", "--api-key-secret", "k", "--service-type", "LoadBalancer", *tls]) == 0
     capsys.readouterr()
     for path in MANIFESTS:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
         (service,) = [d for d in docs if d["kind"] == "RayService"]
-        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-ray")]
         cluster = service["spec"]["rayClusterConfig"]
         head = cluster["headGroupSpec"]
         assert head["rayStartParams"]["dashboard-host"] == "$(SHARDSERVE_POD_IP)", path.name   # never 0.0.0.0
@@ -377,3 +381,28 @@ def test_images_install_the_package_the_way_make_install_does(name, base, extras
         tomllib = pytest.importorskip("tomllib")
         project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
         assert any(dep.startswith("cupy-cuda12x") for dep in project["optional-dependencies"][extras])
+
+
+def test_grpc_service_and_autoscaling_keys_reach_the_manifest(validators, capsys):
+    """Issue 28: the one gRPC endpoint (on the router's pod) gets a Service and a NetworkPolicy
+    opening its port; ``--min/--max-replicas`` and ``--target-ongoing-requests`` reach Serve's
+    args, and KubeRay's autoscaler may add pods for ``max_replicas`` replicas."""
+    assert main(["manifest", "-tp", "2", "--api-key-secret", "k", "--min-replicas", "1", "--max-replicas", "3",
+                 "--target-ongoing-requests", "8", "--grpc-port", "50052"]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    assert not list(validators[("ray.io/v1", "RayService")].iter_errors(service)) + kuberay_rules(service)
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert (args["min_replicas"], args["max_replicas"], args["target_ongoing_requests"]) == (1, 3, 8.0)
+    assert ServeArgs.from_dict(dict(args, allow_unauthenticated=True)).autoscaled
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    model = worker_group(service)
+    assert model["minReplicas"] == 1 and model["maxReplicas"] >= 3   # one pod per replica, surge included
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"]
+    router = groups["router"]
+    role = router["template"]["metadata"]["labels"]["shardserve.io/role"]
+    (grpc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-grpc")]
+    assert grpc["spec"]["ports"] == [{"name": "grpc", "port": 50052, "targetPort": 50052, "appProtocol": "grpc"}]
+    assert grpc["spec"]["selector"]["shardserve.io/role"] == role == "router"
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-grpc")]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": 50052, "protocol": "TCP"}]}]

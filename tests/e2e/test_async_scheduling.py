@@ -4,7 +4,9 @@ with the other ranks at TP=2). Outputs
 must be exactly the single-process engine's (float32, SmolLM2), through everything that ends or
 interrupts a request between a step's send and its result: EOS, max_tokens, a stop string, seeded
 sampling (its per-request RNG stream is indexed by the output position, placeholders included),
-preemption when the KV pool runs out, and a client that cancels mid-stream."""
+preemption when the KV pool runs out, and a client that cancels mid-stream; structured outputs
+(a constrained request waits for its token in flight) and penalties (rank 0's counts include its
+own samples) give the single-process engine's tokens too."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import grpc
 import pytest
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.engine.request import SamplingParams
+from shardserve.cluster.engine.request import SamplingParams, StructuredOutputs
 from shardserve.cluster.replica.worker_group import GroupConfig
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
@@ -22,7 +24,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PROMPTS = ["Once upon a time, in a small village,", "The capital of France is", "def fibonacci(n):\n    ",
            "Three primary colors are", "The history of the Roman Empire", "1, 2, 3, 4,",
-           "The best way to learn a language is", "Water boils at"]
+           "The best way to learn a language is", "Water boils at", "A cat as JSON:", "Describe the sea:",
+           "Once upon a time, in a small village,"]
+CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+       "required": ["name", "age"], "additionalProperties": False}
 PARAMS = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=30, temperature=0),                      # may end on EOS
           SamplingParams(max_tokens=24, temperature=0, stop=["\n"]),          # a stop string
@@ -30,10 +35,16 @@ PARAMS = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=1, temperature=0),                        # done by the prefill step
-          SamplingParams(max_tokens=27, temperature=0.7, top_k=20, seed=3)]
+          SamplingParams(max_tokens=27, temperature=0.7, top_k=20, seed=3),
+          # structured outputs (a constrained request does not run ahead) and rank 0's penalty state
+          SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs.json_schema(CAT)),
+          SamplingParams(max_tokens=24, temperature=0.8, seed=5, structured_outputs=StructuredOutputs.regex(
+              r"[A-Z][a-z]{2,8}( [a-z]{2,8}){2,5}\.")),
+          SamplingParams(max_tokens=30, temperature=0, presence_penalty=0.8, frequency_penalty=0.3,
+                         repetition_penalty=1.2, logit_bias={28: 5.0}, min_tokens=6)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.extended), 2])   # TP=2 also shares placeholders
 def test_async_scheduling_matches_the_single_process_engine(ray_cluster, replicas, smollm2_files, smollm2_llm, tp):
     """6 KV blocks of 16 tokens hold a fraction of the 8 requests at once: requests are preempted
     and recomputed, some while a step that samples for them is in flight."""

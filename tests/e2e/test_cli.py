@@ -106,6 +106,7 @@ def test_a_model_that_does_not_fit_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.extended   # TP equality is checked on the cluster in test_cluster_tp
 def test_generate_tensor_parallel_equals_one_rank(tmp_path):
     """``generate -tp 2`` (a local Ray cluster, two shard workers, shared-memory all-reduce) prints
     the greedy completion of the in-process run."""
@@ -131,3 +132,24 @@ def test_default_model_is_reused_from_the_cache(smollm2_files, monkeypatch):
     again = model_source.resolve_model("smollm2-135m-instruct")
     assert again.path == smollm2_files.path and again.is_gguf
     assert again.path.is_relative_to(model_source.cache_dir())
+
+
+def test_generate_with_a_named_tool_prints_a_call_that_fits_the_schema(smollm2_files, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}},
+              "required": ["city"], "additionalProperties": False}
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]))
+    prompt = tmp_path / "prompt.txt"   # the tools path takes --prompt-file's text too
+    prompt.write_text("Weather in Paris?\n")
+    exe = Path(sys.executable).parent / "shardserve"
+    proc = subprocess.run([str(exe), "generate", "--model", str(smollm2_files.path), "--chat", "--prompt-file",
+                           str(prompt), "--tools", str(tools), "--tool-choice", "get_weather",
+                           "--max-tokens", "40", "--kv-cache-gib", "0.05"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = json.loads(proc.stdout)
+    assert answer["finish_reason"] == "tool_calls" and answer["content"] is None
+    (call,) = answer["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)

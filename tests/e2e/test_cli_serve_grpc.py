@@ -26,7 +26,7 @@ def test_serve_grpc_tp2_answers_and_stops_on_interrupt(smollm2_files):
     exe = Path(sys.executable).parent / "shardserve"
     proc = subprocess.Popen([str(exe), "serve-grpc", "--model", "smollm2-135m-instruct", "--tensor-parallel-size", "2",
                              "--cpus-per-worker", "1", "--kv-cache-gib", "0.05", "--grpc-port", str(port),
-                             "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--host", "127.0.0.1", "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 240
         line = ""

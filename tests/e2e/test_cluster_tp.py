@@ -20,7 +20,8 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
 ]
 NUM_TOKENS = 24
-PACKED_TP_BOUND = 1.0   # bfloat16 rounding of activations and partial sums: 0.80 measured at |logit| ~25 (6 ulps)
+PACKED_TP_BOUND = 2.0   # bfloat16 rounding of activations and partial sums at |logit| ~25 (ulp 0.125): 0.80
+                        # measured on an AVX-512 machine, 1.29 on one with AMX (its bf16 GEMMs round otherwise)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,9 @@ def reference(smollm2_llm):
     return ids, logits, [d.token_ids for d in done]
 
 
-@pytest.mark.parametrize("tp,split,dispatch", [(1, None, "calls"), (2, None, "calls"), (2, [1.0, 2.0], "compiled")],
+@pytest.mark.parametrize("tp,split,dispatch", [pytest.param(1, None, "calls", marks=pytest.mark.extended),
+                                               pytest.param(2, None, "calls", marks=pytest.mark.extended),
+                                               (2, [1.0, 2.0], "compiled")],
                          ids=["tp1", "tp2-uneven", "tp2-split-1,2-compiled"])
 def test_tensor_parallel_matches_single_process(ray_cluster, replicas, smollm2_files, reference,
                                                  tp, split, dispatch):

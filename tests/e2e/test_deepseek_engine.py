@@ -92,5 +92,25 @@ def test_tensor_parallel_cluster_matches_single_process(checkpoint, ray_cluster,
         assert [d["token_ids"] for d in done] == expected
         diff = (ray_cluster.get(handle.prompt_logits.remote(prompts[2])) - llm.core.prompt_logits(prompts[2]))
         assert diff.abs().max().item() < 1e-4
+        assert_same_plans(ray_cluster.get(handle.memory_plans.remote()), folder, "--tensor-parallel-size", "2",
+                          "--tensor-split", "3,1", "--device", "cpu", "--kv-cache-gib", "0.01")
     finally:
         replicas.stop(handle)
+
+
+def assert_same_plans(logged: list[str], folder, *argv) -> None:
+    """Every rank's start-up plan equals what ``shardserve plan`` prints for the same arguments (the
+    host memory available, CPU ranks' capacity, moves between the two and is left out)."""
+    import contextlib
+    import io
+    import json
+    import re
+
+    from shardserve.cluster.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", str(folder), *argv, "--json"])
+    printed = [rank["summary"] for rank in json.loads(out.getvalue())["ranks"]]
+    usable = re.compile(r"\(cpu, [0-9.]+ [GM]iB usable of [0-9.]+ [GM]iB\)")
+    assert [usable.sub("", line) for line in logged] == [usable.sub("", line) for line in printed]

@@ -3,6 +3,7 @@ streaming, concurrency, cancellation, bad input, health, reflection, and a worke
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -129,7 +130,14 @@ def test_cancelled_stream_frees_its_blocks(server):
     ({"text": "hi", "sampling": pb.SamplingParams(stop=list("abcde"))}, "at most 4 stop strings"),
     ({"token_ids": pb.TokenIds(ids=[42] * (MAX_MODEL_LEN + 10))}, f"context length is {MAX_MODEL_LEN}"),
     ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=MAX_MODEL_LEN)}, "max_tokens asks for 512 more"),
-    ({"chat": pb.Chat()}, "messages must be a non-empty list"),
+    ({"chat": pb.Chat()}, "'messages' must be a non-empty list"),
+    ({"text": "hi", "sampling": pb.SamplingParams(structured_outputs=pb.StructuredOutputs(json='{"type": "objekt"}'))},
+     'structured_outputs: the JSON schema does not compile: Unsupported type "objekt"'),
+    ({"text": "hi", "sampling": pb.SamplingParams(structured_outputs=pb.StructuredOutputs())},
+     "structured_outputs: set one of json"),
+    ({"text": "hi", "sampling": pb.SamplingParams(logit_bias={49152: 1.0})},
+     "logit_bias: token id 49152 is outside the vocabulary [0, 49152)"),
+    ({"text": "hi", "sampling": pb.SamplingParams(presence_penalty=3)}, "presence_penalty must be in [-2, 2]"),
 ])
 def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, request_kwargs, message):
     with pytest.raises(grpc.RpcError) as err:
@@ -139,6 +147,22 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, request_
     tokens, _, last = collect(stub(server).Generate(pb.GenerateRequest(
         text="Hello", sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))))
     assert len(tokens) == 2 and last.finish_reason == "length"
+
+
+def test_constrained_stream_over_grpc_matches_the_engine(server, smollm2_llm):
+    from shardserve.cluster.engine.request import StructuredOutputs
+
+    schema = '{"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}}, "required": ["capital"]}'
+    sampling = pb.SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2,
+                                 structured_outputs=pb.StructuredOutputs(json=schema, disable_any_whitespace=True))
+    tokens, text, last = collect(stub(server).Generate(pb.GenerateRequest(chat=chat("What is the capital of France?"),
+                                                                          sampling=sampling)))
+    (expected,) = smollm2_llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
+                                       SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2,
+                                                      structured_outputs=StructuredOutputs.json_schema(schema, True)))
+    assert (tokens, text) == (expected.token_ids, expected.text)
+    assert json.loads(text)["capital"] in ("Paris", "Lyon") and "\n" not in text   # one line
+    assert last.finish_reason == "stop" and stub(server).ModelInfo(pb.ModelInfoRequest()).num_grammar_matchers == 0
 
 
 def test_model_info(server, ray_cluster):

@@ -31,7 +31,7 @@ from shardserve.cluster.engine.request import SamplingParams
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]   # 3 Ray nodes, ~6 min: make test-all
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"
@@ -154,7 +154,8 @@ def serve_config(http_port: int, grpc_port: int, **args) -> dict:
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["applications"][0]["args"].update(
         tensor_parallel_size=2, placement_strategy="STRICT_SPREAD", cpus_per_worker=1, grpc_port=grpc_port,
-        grpc_host="127.0.0.1", kv_cache_gib=0.05, max_model_len=512, drain_timeout_s=60, **args)
+        grpc_host="127.0.0.1", kv_cache_gib=0.05, max_model_len=512, drain_timeout_s=60,
+        dtype="float32", **args)   # as smollm2_llm, the oracle: bf16 answers depend on the CPU's bf16 units (AMX)
     return config
 
 

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from shardserve.cluster.cli import build_parser
@@ -86,6 +87,7 @@ def test_every_readme_command_line_parses(smollm2_files):
         parser.parse_args(bash_argv(line))   # argparse exits (fails the test) on an unknown flag or bad value
 
 
+@pytest.mark.extended   # five CLI runs, one on a Ray cluster: ~3 min (the lines are parsed in make test)
 def test_readme_generate_lines_run_as_written(wheel_env, smollm2_files):
     """Each ``generate`` line whose placeholder can be filled (``path/to/model.gguf``: the SmolLM2
     GGUF) and that needs no GPU runs through bash with the wheel's ``shardserve`` (the ``-tp 2`` line
@@ -93,12 +95,20 @@ def test_readme_generate_lines_run_as_written(wheel_env, smollm2_files):
     runnable = [line.replace("path/to/model.gguf", str(smollm2_files.path)) for line in readme_commands()
                 if line.startswith("shardserve generate") and "path/to/hf-checkpoint-folder" not in line
                 and "--device cuda" not in line]
-    assert len(runnable) == 3, runnable
+    assert len(runnable) == 5, runnable
+    (make_schema,) = [line for line in (REPO / "README.md").read_text().splitlines() if "> city.schema.json" in line]
+    subprocess.run(["bash", "-c", make_schema], cwd=wheel_env["cwd"], check=True, timeout=60)
+    schema = json.loads((wheel_env["cwd"] / "city.schema.json").read_text())
     for line in runnable:
         out = subprocess.run(["bash", "-c", line], cwd=wheel_env["cwd"], env=wheel_env["env"], capture_output=True,
                              text=True, timeout=900)
         assert out.returncode == 0, (line, out.stderr[-2000:])
-        if "--chat" in line:   # the completion on stdout, logs and progress on stderr
-            assert "Paris" in out.stdout and "INFO" not in out.stdout and "INFO" in out.stderr
+        assert "INFO" not in out.stdout and "INFO" in out.stderr   # the completion on stdout, logs on stderr
+        if "France" in line:
+            assert "Paris" in out.stdout
+        if "--json-schema" in line:   # the constrained answer parses and fits the schema
+            jsonschema.validate(json.loads(out.stdout), schema)
+        if "--regex" in line:
+            assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.stdout.strip()), out.stdout
         if "--stop" in line:   # this sampled story (seed 0, bf16) has its first blank line after 47 of the 128 tokens
             assert "finish_reason=stop" in out.stderr and "\n\n" not in out.stdout.rstrip("\n"), out.stdout

@@ -54,3 +54,21 @@ def slots_of(block_tables: torch.Tensor, seq: int, positions: torch.Tensor, bloc
 def query_start_loc_of(query_lens: list[int]) -> torch.Tensor:
     """``[B + 1]`` int32 cumulative query counts."""
     return torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def paged_latent_rows(seq_lens: list[int], block_size: int, row_width: int, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Random per-sequence rows paged into a cache of garbage (MLA latent rows).
+
+    Returns:
+        ``cache [num_blocks, block_size, row_width]``, ``block_tables [B, max_blocks]`` int32 and
+        the rows of each sequence ``[len_b, row_width]``.
+    """
+    from shardserve.kernels.paged_attention import store_cache_ref
+
+    block_tables, num_blocks = make_block_tables(seq_lens, block_size)
+    cache = torch.randn(num_blocks, block_size, row_width, dtype=dtype)
+    rows = [torch.randn(length, row_width, dtype=dtype) for length in seq_lens]
+    for b, length in enumerate(seq_lens):
+        store_cache_ref(rows[b], cache, slots_of(block_tables, b, torch.arange(length), block_size))
+    return cache, block_tables, rows

@@ -39,6 +39,25 @@ def test_fp8_linear_kernel_matches_reference(num_rows, out_features, in_features
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("num_rows,out_features,in_features,block,split_k", [
+    (2, 40, 512, (32, 32), None),     # decode, few output tiles: the config splits K (4 ways here)
+    (3, 70, 200, (32, 16), 3),        # forced 3 splits, partial K step in the last split, odd N
+], ids=["decode-auto-split", "forced-split"])
+def test_fp8_linear_split_k_matches_reference(num_rows, out_features, in_features, block, split_k, dtype):
+    from shardserve.kernels.fp8_linear_triton import gemm_config
+
+    weight, scale, _ = _quantized(out_features, in_features, block)
+    x = torch.randn(num_rows, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    if split_k is None:
+        assert gemm_config(num_rows, out_features, in_features, block[1], x.device)["split_k"] > 1
+    ref = fp8_block_linear_ref(x, weight, scale, block, bias)
+    out = fp8_block_linear_triton(x, weight, scale, block, bias, split_k=split_k)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, scale=4.0 if dtype == torch.bfloat16 else 10.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("num_tokens,block", [(3, (32, 32)), (21, (16, 32))], ids=["decode", "prefill"])
 def test_fp8_fused_moe_kernel_matches_reference(num_tokens, block, dtype):
     from shardserve.kernels.fused_moe import fused_moe_ref

@@ -13,6 +13,7 @@ from shardserve.kernels.indexer import (dequantize_index_keys, dequantize_index_
                                         indexer_scores, indexer_scores_ref, indexer_topk, quantize_index_keys,
                                         quantize_index_queries, select_topk)
 from shardserve.kernels.paged_attention import store_cache_ref
+from shardserve.kernels.workspace import plan_row_chunks
 
 # (block_size, seq_lens, query_lens or None for decode, num_heads, head_dim)
 CASES = [
@@ -273,3 +274,63 @@ def test_sink_holds_each_packed_sequences_own_first_keys(path, cache, monkeypatc
     assert not (plain[long_rows] < 2).any(), "the crafted first keys must lose without the sink"
     assert [set(row[row >= 0].tolist()) for row in sunk] == _sink_oracle(logits, 8, 2)
     assert ((sunk[long_rows] == 0).any(-1) & (sunk[long_rows] == 1).any(-1)).all()
+
+
+# ---- bounded workspace: rows scored in chunks of at most `budget` logits
+
+def test_row_chunks_cover_the_step_within_the_budget():
+    """Prefill rows are cut so that rows x (last causal position + 1) <= budget (a single row
+    wider than the budget runs alone); runs of one sequence are marked; decode rows are cut by
+    count at the step's width."""
+    gen = torch.Generator().manual_seed(3)
+    for budget in (1, 50, 400, 10 ** 6):
+        query_lens = torch.randint(1, 40, (5,), generator=gen).tolist()
+        seq_lens = [q + int(torch.randint(0, 60, (1,), generator=gen)) for q in query_lens]
+        qsl = query_start_loc_of(query_lens).tolist()
+        chunks = plan_row_chunks(qsl[-1], max(seq_lens), qsl, seq_lens, budget)
+        positions = [length - q + i for q, length in zip(query_lens, seq_lens) for i in range(q)]
+        seq_of_row = [b for b, q in enumerate(query_lens) for _ in range(q)]
+        assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]] and chunks[-1].end == qsl[-1]
+        for c in chunks:
+            rows = range(c.start, c.end)
+            assert c.width == max(positions[r] for r in rows) + 1
+            assert len(rows) * c.width <= budget or len(rows) == 1
+            assert [r for first, end, _, _ in c.segments for r in range(first, end)] == list(rows)
+            assert all(seq_of_row[r] == seq for first, end, seq, _ in c.segments for r in range(first, end))
+            assert all(keys == positions[end - 1] + 1 for first, end, _, keys in c.segments)
+    decode = plan_row_chunks(10, 300, budget=1000)
+    assert [(c.start, c.end, c.width, c.segments) for c in decode] == [(0, 3, 300, None), (3, 6, 300, None),
+                                                                      (6, 9, 300, None), (9, 10, 300, None)]
+
+
+def _picked_scores(logits: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """The logits of each row's selected keys, sorted (ties at 0 may pick different keys)."""
+    values = logits.gather(1, picked.long().clamp(min=0)).masked_fill(picked < 0, float("-inf"))
+    return values.sort(-1).values
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("cache", ["model-dtype", "fp8-queries"])
+def test_chunked_topk_equals_one_shot_selection(path, cache, monkeypatch):
+    """Chunks of a few rows (budget 100 logits) select what scoring every row at once selects
+    (prefill with a cached prefix, a fresh prompt, a decode-like row; and a decode step)."""
+    seq_lens, query_lens = [70, 23, 31], [9, 23, 1]
+    make = build if cache == "model-dtype" else build_fp8
+    q, weights, k_cache, block_tables, lens, qsl, _ = make(16, seq_lens, query_lens, 3, 32, torch.float32)
+    q_scale = None
+    if cache == "fp8-queries":
+        q, q_scale = quantize_index_queries(q)
+    logits = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, 70, q_scale=q_scale)
+    monkeypatch.setenv("SHARDSERVE_KERNELS", path)
+    whole = indexer_topk(q, weights, k_cache, block_tables, lens, 8, qsl, 70, q_scale=q_scale, sink=1,
+                         budget=1 << 30)
+    chunked = indexer_topk(q, weights, k_cache, block_tables, lens, 8, qsl, 70, q_scale=q_scale, sink=1,
+                           budget=100, query_start_host=qsl.tolist(), seq_lens_host=seq_lens)
+    assert torch.equal(whole[:, 0], chunked[:, 0])                             # the sink column
+    torch.testing.assert_close(_picked_scores(logits, chunked), _picked_scores(logits, whole), atol=1e-5, rtol=0)
+    last = qsl[1:] - 1                                       # decode: each sequence's last token
+    scales = None if q_scale is None else q_scale[last]
+    decode = indexer_topk(q[last], weights[last], k_cache, block_tables, lens, 8, None, 70, q_scale=scales,
+                          sink=1, budget=70)                 # one row per chunk
+    torch.testing.assert_close(_picked_scores(logits[last], decode), _picked_scores(logits[last], whole[last]),
+                               atol=1e-5, rtol=0)

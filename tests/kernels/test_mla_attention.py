@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_utils import DTYPES, assert_close, case_id, make_block_tables, query_start_loc_of, slots_of
+from kernel_utils import DTYPES, assert_close, case_id, paged_latent_rows, query_start_loc_of
 from shardserve.kernels.mla_attention import mla_attention_ref
-from shardserve.kernels.paged_attention import store_cache_ref
 
 KV_LORA, ROPE = 32, 16
 
@@ -23,11 +22,7 @@ DENSE = [
 
 def build(block_size, seq_lens, query_lens, num_heads, dtype):
     """Per-sequence latent rows, paged into a cache of garbage, and absorbed queries."""
-    block_tables, num_blocks = make_block_tables(seq_lens, block_size)
-    cache = torch.randn(num_blocks, block_size, KV_LORA + ROPE, dtype=dtype)
-    rows = [torch.randn(length, KV_LORA + ROPE, dtype=dtype) for length in seq_lens]
-    for b, length in enumerate(seq_lens):
-        store_cache_ref(rows[b], cache, slots_of(block_tables, b, torch.arange(length), block_size))
+    cache, block_tables, rows = paged_latent_rows(seq_lens, block_size, KV_LORA + ROPE, dtype)
     num_tokens = len(seq_lens) if query_lens is None else sum(query_lens)
     q_nope = torch.randn(num_tokens, num_heads, KV_LORA, dtype=dtype)
     q_pe = torch.randn(num_tokens, num_heads, ROPE, dtype=dtype)

@@ -27,7 +27,7 @@ EXPECTED = {
                        ("paged_attention_triton", "paged_attention_triton")],
     "deepseek_v32": COMMON + [("paged_attention_triton", "store_cache_triton"),
                               ("mla_attention_triton", "mla_attention_triton"),
-                              ("indexer_triton", "indexer_scores_triton"),
+                              ("indexer_triton", "score_rows_triton"),
                               ("hadamard_triton", "hadamard_transform_triton"),
                               ("fused_moe_triton", "fused_moe_triton")],
 }

@@ -15,7 +15,9 @@ CASES = [
     (64, [64, 65, 3], [1, 1, 1], 4, 1, 32, 2),      # block_size 64, MQA, split-K with an empty split
     (16, [37, 5, 20], [4, 5, 1], 4, 2, 24, None),   # varlen: chunked prefill + full prefill + decode, odd D
     (16, [150, 33], [1, 1], 4, 2, 32, 3),           # long context, split-K over 3 splits
-    (64, [129], [3], 2, 1, 64, 4),                  # block_size 64, 3 queries, 4 splits
+    (64, [129], [3], 2, 1, 64, 4),                  # block_size 64, 3 queries (prefill: splits unused)
+    (16, [70, 9], [45, 9], 6, 2, 24, None),         # query tiles: 3 heads per KV head, 21 queries a tile, odd D
+    (16, [30, 4], [13, 1], 8, 1, 16, None),         # MQA: 8 heads x 8 queries per tile, a decode in the batch
 ]
 
 

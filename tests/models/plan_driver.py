@@ -21,15 +21,17 @@ from shardserve.workers.models import dsa_indexer
 
 
 def make_runner(path: str | Path, block_size: int = 4, num_blocks: int = 96, tensor_split=None,
-                **switches) -> ModelRunner:
-    """A runner for the checkpoint at ``path``; ``switches`` set ``shardserve_<name>`` on the config
-    (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``)."""
+                decode_graphs: str = "auto", compile: str = "off", **switches) -> ModelRunner:
+    """A runner for the checkpoint at ``path``; ``decode_graphs`` is the runner's setting ("replay":
+    the CPU stand-in of CUDA graphs); ``compile`` is ``RunnerConfig.compile``; ``switches`` set
+    ``shardserve_<name>`` on the model config (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``)."""
     files = ModelFiles(Path(path).name, Path(path))
     config = load_config(files)
     for name, value in switches.items():
         setattr(config, f"shardserve_{name}", value)
     return ModelRunner(files, config, RunnerConfig(block_size=block_size, num_blocks=num_blocks,
-                                                   tensor_split=tensor_split), progress=False)
+                                                   tensor_split=tensor_split, decode_graphs=decode_graphs,
+                                                   compile=compile), progress=False)
 
 
 class PlanDriver:
@@ -41,13 +43,25 @@ class PlanDriver:
         self.tokens: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}
         self.free_slots = list(range(runner.num_state_slots))   # recurrent-state slots (hybrid models)
+        self.slots: dict[str, int | None] = {}
+        self.finished: list[str] = []
+
+    def finish(self, *req_ids: str) -> None:
+        """End these requests: the next plan lists them as finished and their state slots are free
+        (their blocks are not reused)."""
+        for req_id in req_ids:
+            slot = self.slots.pop(req_id)
+            if slot is not None:
+                self.free_slots.append(slot)
+        self.finished += req_ids
 
     def plan(self, work: dict[str, list[int]]) -> StepPlan:
         """One step computing ``work[req]`` for each request, every one sampling its last token."""
-        plan = StepPlan()
+        plan = StepPlan(finished_req_ids=self.finished)
+        self.finished = []
         for req_id, token_ids in work.items():
             if req_id not in self.tokens:
-                slot = self.free_slots.pop() if self.free_slots else None
+                slot = self.slots[req_id] = self.free_slots.pop() if self.free_slots else None
                 plan.new_requests.append(NewRequestData(req_id, SamplingOptions(temperature=0), slot))
                 self.tokens[req_id], self.num_blocks[req_id] = [], 0
             start = len(self.tokens[req_id])

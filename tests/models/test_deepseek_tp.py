@@ -1,11 +1,13 @@
 """Tensor parallel: 2 gloo CPU processes == one process, for all three architectures.
 
 Splits: DeepseekV32 ``[3, 1]`` (3 + 1 heads, 6 + 2 experts, uneven vocab / MLP / shared-expert
-slices), GlmMoeDsa ``[1, 1]``, DeepseekV3 ``[1, 3]``. Each run is a batch of two sequences (one
+slices), GlmMoeDsa ``[1, 1]``, DeepseekV3 ``[1, 3]``. Each run is a batch of three sequences (two
 prefilled in two chunks) followed by greedy decode steps, so prefill, absorbed decode, the
 indexer, IndexShare and the MoE all-reduce all cross ranks. One more DeepseekV32 run uses
 ``--dsa-sink 1`` and the fp8 indexer cache and queries on a checkpoint whose indexer ranks
-position 0 last (``crafted_indexer.py``): every rank keeps it in the same top-k.
+position 0 last (``crafted_indexer.py``): every rank keeps it in the same top-k. The third
+sequence is a 92-token prompt (top-k 8, so DSA prefill is sparse in both chunks; V3 expands its
+60-token chunk): its logits on 2 ranks also equal transformers'.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from procs import free_port, run_ranks
 
 from crafted_indexer import craft_marker_checkpoint
-from plan_driver import PlanDriver, make_runner
+from plan_driver import PlanDriver, hf_logits, make_runner
 from shardserve.workers.comm_cpu import GlooGroup
 from shardserve.workers.distributed import set_tp_group
 
@@ -25,22 +27,27 @@ SINK_SWITCHES = {"dsa_sink": 1, "indexer_cache_dtype": "fp8"}
 TIMEOUT_S = 240
 
 
+LONG_PROMPT = torch.randint(2, 128, (92,), generator=torch.Generator().manual_seed(92)).tolist()
+
+
 def run_script(runner) -> torch.Tensor:
-    """Two sequences (13 tokens in chunks of 6 + 7, and 4 tokens), then 6 greedy decode steps.
+    """Three sequences (13 tokens in chunks of 6 + 7; 4 tokens; a 92-token prompt in chunks of 60
+    + 32, whose every chunk selects under DSA and whose first chunk V3 expands), then 6 greedy
+    decode steps.
 
     Returns:
-        ``[num_steps * 2, vocab]`` logits of every step and request.
+        ``[num_steps * 3, vocab]`` logits of every step and request (rows x, y, z per step).
     """
     gen = torch.Generator().manual_seed(0)
     long_prompt, short_prompt = [0] + torch.randint(2, 128, (12,), generator=gen).tolist(), [0, 9, 2, 77]
     driver = PlanDriver(runner, seed=3)
     rows = []
-    first = driver.step({"x": long_prompt[:6], "y": short_prompt})
-    last = {"x": long_prompt[6:], "y": [int(first["y"].argmax())]}
-    rows += [first["x"], first["y"]]
+    first = driver.step({"x": long_prompt[:6], "y": short_prompt, "z": LONG_PROMPT[:60]})
+    last = {"x": long_prompt[6:], "y": [int(first["y"].argmax())], "z": LONG_PROMPT[60:]}
+    rows += [first["x"], first["y"], first["z"]]
     for _ in range(7):
         out = driver.step(last)
-        rows += [out["x"], out["y"]]
+        rows += [out["x"], out["y"], out["z"]]
         last = {req: [int(logits.argmax())] for req, logits in out.items()}
     return torch.stack(rows)
 
@@ -80,3 +87,9 @@ def test_tp2_matches_tp1(tiny_model, tmp_path):
         diff = (tp1 - ranks[0]["logits"][name]).abs().max().item()
         print(f"{name} split {SPLITS[arch]}: max |TP2 - TP1| = {diff:.2e}")
         assert diff < 1e-4, f"{name} split {SPLITS[arch]}: max |TP2 - TP1| = {diff}"
+        if not switches:   # the long prompt's greedy tokens are transformers' (teacher forcing)
+            z_rows = ranks[0]["logits"][name][2::3]                       # [8, vocab]
+            generated = z_rows[1:].argmax(-1).tolist()
+            reference = hf_logits(tiny_model(arch).hf, LONG_PROMPT + generated[:-1])
+            expected = torch.cat((reference[59:60], reference[len(LONG_PROMPT) - 1:]))  # after each chunk, then decode
+            assert (z_rows - expected).abs().max().item() < 1e-4, f"{name}: TP2 long prompt vs transformers"

@@ -25,11 +25,12 @@ def prompts(lengths=(5, 13, 9), seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def make_llm(path: Path, k: int, **overrides) -> LLM:
+def make_llm(path: Path, k: int, policy: str = "fixed", **overrides) -> LLM:
     """A single-process engine on a tiny checkpoint: 4-token blocks, a 16-token step budget (the
-    13-token prompt is prefilled in chunks next to other requests' decodes)."""
+    13-token prompt is prefilled in chunks next to other requests' decodes); ``k`` drafts every
+    step unless ``policy="adaptive"``."""
     args = dict(model=str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
-                speculative_tokens=k)
+                speculative_tokens=k, speculative_policy=policy)
     return LLM(EngineArgs(**{**args, **overrides}), progress=False)
 
 
@@ -63,7 +64,7 @@ class OracleDrafter:
             tokens = self.truth[tuple(request.prompt_token_ids)][start:start + len(proposal.token_ids)]
             tokens = [(t + 1) % VOCAB if self.wrong(start + j) else t for j, t in enumerate(tokens)]
             tokens += proposal.token_ids[len(tokens):]
-            proposals.append(DraftProposal(proposal.req_id, tokens, proposal.probs))
+            proposals.append(DraftProposal(proposal.req_id, tokens, proposal.probs_row))
         return DraftResult(proposals)
 
 
@@ -71,6 +72,21 @@ def install_oracle(llm: LLM, truth: dict[tuple, list[int]], wrong=lambda index: 
     oracle = OracleDrafter(llm.core.speculator.drafter, llm.core, truth, wrong)
     llm.core.speculator.drafter = oracle
     return oracle
+
+
+
+def record_preemptions(llm: LLM) -> list:
+    """Wraps the engine's scheduler: the returned list fills with every step's preempted requests."""
+    preempted = []
+    schedule = llm.core.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    llm.core.scheduler.schedule = spy
+    return preempted
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,3 +139,28 @@ class StraightMTP:
             tokens.append(int(logits[-1].argmax()))
             hidden = torch.cat((hidden, outs[-1:]))
         return drafts
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson goodness of fit; cells expecting < 5 are pooled into one."""
+    small = expected < 5
+    obs = torch.cat((observed[~small], observed[small].sum()[None]))
+    exp = torch.cat((expected[~small], expected[small].sum()[None]))
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+def two_sample_p(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
+    """Chi-square test of homogeneity of two count vectors (cells with < 10 in total pooled)."""
+    total = counts_a + counts_b
+    small = total < 10
+    a = torch.cat((counts_a[~small], counts_a[small].sum()[None]))
+    b = torch.cat((counts_b[~small], counts_b[small].sum()[None]))
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    n_a, n_b = a.sum(), b.sum()
+    exp_a, exp_b = (a + b) * n_a / (n_a + n_b), (a + b) * n_b / (n_a + n_b)
+    stat = ((a - exp_a) ** 2 / exp_a + (b - exp_b) ** 2 / exp_b).sum()
+    return torch.special.gammaincc(torch.tensor((a.numel() - 1) / 2, dtype=torch.float64), stat / 2).item()

@@ -18,8 +18,10 @@ import torch
 
 from spec_helpers import StraightMTP
 from tiny_checkpoints import write_tiny_checkpoint
+from shardserve.workers.draft_buffers import BufferSizes
 from shardserve.workers.draft_worker import DraftWorker
 from shardserve.workers.messages import DraftBatch, DraftRequest, NewRequestData, SamplingOptions
+from shardserve.workers.model_runner import apply_request_diffs
 from shardserve.workers.model_source import ModelFiles, load_config
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa"]
@@ -28,8 +30,9 @@ BLOCK_SIZE = 4
 
 def _worker(path: Path) -> DraftWorker:
     files = ModelFiles(path.name, path)
+    config = load_config(files)
     worker = DraftWorker()
-    worker.load(files, load_config(files), BLOCK_SIZE, num_blocks=24)
+    worker.load(files, config, BufferSizes(64, 4, 3), BLOCK_SIZE, 24)
     return worker
 
 
@@ -46,8 +49,8 @@ def test_mtp_logits_match_straight_formula(mtp_checkpoint, arch):
     worker = _worker(ckpt.path)
     worker.requests.clear()
     blocks = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()[:8]   # scattered blocks
-    worker._apply(DraftBatch([NewRequestData("a", SamplingOptions(temperature=0))],
-                             [DraftRequest("a", [], 0, blocks, 0, 0)]))
+    apply_request_diffs(worker.requests, [], [NewRequestData("a", SamplingOptions(temperature=0))],
+                        [DraftRequest("a", [], 0, blocks, 0, 0)])
     with torch.inference_mode():
         first = worker._forward(["a"], [0], [9], tokens[1:10], target_hidden[:9])     # two chunks
         second = worker._forward(["a"], [9], [12], tokens[10:], target_hidden[9:21])
@@ -71,9 +74,10 @@ def test_mtp_logits_match_straight_formula(mtp_checkpoint, arch):
     # Propose through the public entry point on a fresh cache: entries in one batch, 3 chained drafts.
     worker.requests.clear()
     batch = DraftBatch([NewRequestData("b", SamplingOptions(temperature=0))],
-                       [DraftRequest("b", tokens[1:], 0, blocks, 3, 0)], hidden_states=target_hidden[:-1])
+                       [DraftRequest("b", tokens[1:], 0, blocks, 3, 0)], hidden_rows=list(range(len(tokens) - 1)),
+                       hidden_states=target_hidden[:-1])
     (proposal,) = worker.propose(batch).proposals
-    assert proposal.token_ids == expected and proposal.probs is None
+    assert proposal.token_ids == expected and proposal.probs_row == -1
 
 
 def test_mtp_missing_layer_is_an_error(tmp_path):
@@ -83,4 +87,4 @@ def test_mtp_missing_layer_is_an_error(tmp_path):
     write_tiny_checkpoint("deepseek_v32", path)
     files = ModelFiles(path.name, path)
     with pytest.raises(ValueError, match="no MTP layers"):
-        worker.load(files, load_config(files), BLOCK_SIZE, 8)
+        worker.load_weights(files, load_config(files), BufferSizes(8, 1, 1), BLOCK_SIZE)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardserve.cluster.engine.request import SamplingParams
-from spec_helpers import ARCHS, NUM_BLOCKS, StraightMTP, greedy, install_oracle, make_llm, prompts
+from spec_helpers import ARCHS, NUM_BLOCKS, StraightMTP, greedy, install_oracle, make_llm, prompts, record_preemptions
 from tiny_checkpoints import tiny_token_text
 from shardserve.workers.model_source import ModelFiles, load_config
 
@@ -184,15 +184,7 @@ def test_preemption_with_drafts_in_flight(mtp_checkpoint, plain_outputs):
     llm = make_llm(mtp_checkpoint(arch).path, 3, num_blocks=14)
     truth = plain_outputs(arch, 24)
     install_oracle(llm, truth, wrong=lambda index: index % 3 == 1)
-    preempted = []
-    schedule = llm.core.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        preempted.extend(batch.preempted)
-        return batch
-
-    llm.core.scheduler.schedule = spy
+    preempted = record_preemptions(llm)
     batch = prompts()
     done = llm.generate(batch, greedy())
     assert preempted, "the pool must be too small for the whole batch"

@@ -1,9 +1,12 @@
 """Speculative decoding with a tensor-parallel target: 2 gloo CPU processes run the target's TP=2
 shards (DeepSeek-V3.2 split 3+1 heads / 6+2 experts, GLM-5 split evenly); rank 0 also runs the
-engine core and the MTP draft worker (whole, on a single-rank group: in the cluster it is its own
-actor). Greedy output with k = 1, 2, 3 equals TP=1 plain decoding token for token, for a batch
-and for a single request, and every block returns to the pool. (The Ray path, with the draft
-worker as an actor, is ``test_spec_cluster.py``.)
+engine core and the MTP draft worker (whole, on a single-rank group, sharing its buffers with rank
+0: in the cluster it is its own actor). Greedy output with k = 1 and 3 (fixed) and with the
+adaptive policy (over an oracle that knows the answer up to chosen points, so that it keeps
+drafting) equals TP=1 plain decoding token for token, for a batch and for a single request, and
+every block returns to the pool; sampled output with the adaptive policy at TP=2 is distributed as
+TP=1 plain sampling (chi-square on the tokens drafts decide). (The Ray path, with the draft worker
+as an actor, is ``test_spec_cluster.py``.)
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import torch
 from procs import free_port, run_ranks
 import torch.distributed as dist
 
-from spec_helpers import ARCHS, BLOCK_SIZE, NUM_BLOCKS, greedy, make_llm, prompts
+from spec_helpers import ARCHS, BLOCK_SIZE, NUM_BLOCKS, VOCAB, greedy, make_llm, prompts, two_sample_p
 
 SPLITS = {"deepseek_v32": [3.0, 1.0], "glm_moe_dsa": [1.0, 1.0]}
-KS = (0, 1, 2, 3)
-TIMEOUT_S = 240
+RUNS = ((1, "fixed"), (3, "fixed"), (3, "adaptive"))
+NUM_SAMPLED = 600
+TIMEOUT_S = 300
 
 
 def _broadcast(message=None):
@@ -68,25 +72,37 @@ def _runner(path: str, split):
                                                                tensor_split=split), progress=False)
 
 
-def _generate(runner, path: str, k: int, group, batch: list[list[int]]) -> tuple[list[list[int]], int, int]:
+def _generate(runner, path: str, k: int, policy: str, group, batch: list[list[int]], params, truth=None
+              ) -> tuple[list[list[int]], int, int]:
     """Rank 0: an engine core over the TP=2 executor; returns (tokens per prompt, free blocks,
-    draft tokens verified)."""
+    draft tokens verified). ``truth``: an oracle over the real MTP proposes it (wrong now and then)."""
+    from shardserve.cluster.engine.request import SamplingParams
+    from spec_helpers import OracleDrafter
+
     from shardserve.cluster.engine.engine import EngineCore
     from shardserve.cluster.engine.scheduler import SchedulerConfig
     from shardserve.cluster.engine.speculative import Speculator
     from shardserve.cluster.tokenizer import eos_token_ids, load_tokenizer
+    from shardserve.workers.draft_buffers import BufferSizes
     from shardserve.workers.draft_worker import DraftWorker
 
     files = runner_files(path)
     speculator = None
     if k:
-        drafter = _SingleRankDrafter(DraftWorker(), group)
-        drafter.load(files, runner.hf_config, BLOCK_SIZE, NUM_BLOCKS)
-        speculator = Speculator(drafter, k)
+        drafter = _SingleRankDrafter(DraftWorker(inline=True), group)
+        drafter.load(files, runner.hf_config, BufferSizes(96, 64, k), BLOCK_SIZE, NUM_BLOCKS)
+        runner.attach_draft_buffers(drafter.inner.buffers)
+        speculator = Speculator(drafter, k, policy)
+        if policy == "adaptive":   # see drafts as cheap: the policy keeps drafting on these tiny models
+            observe = speculator.policy.observe_draft
+            speculator.policy.observe_draft = lambda d, rows, entries, sec: observe(d, rows, entries, sec * 0.05)
     tokenizer = load_tokenizer(files)
-    core = EngineCore(_BroadcastExecutor(runner), tokenizer, NUM_BLOCKS, BLOCK_SIZE, SchedulerConfig(64, 16, 256),
+    limits = SchedulerConfig(64, 16, 256) if isinstance(params, SamplingParams) else SchedulerConfig(24, 96, 256)
+    core = EngineCore(_BroadcastExecutor(runner), tokenizer, NUM_BLOCKS, BLOCK_SIZE, limits,
                       eos_token_ids(tokenizer, runner.hf_config), runner.hf_config.vocab_size, speculator=speculator)
-    ids = [core.add_request(p, greedy()) for p in batch]
+    if truth is not None:
+        speculator.drafter = OracleDrafter(speculator.drafter, core, truth, wrong=lambda index: index % 4 == 2)
+    ids = [core.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(batch)]
     tokens = {i: [] for i in ids}
     while core.has_unfinished():
         for out in core.step():
@@ -101,7 +117,14 @@ def runner_files(path: str):
     return ModelFiles(Path(path).name, Path(path))
 
 
-def _worker(rank: int, port: int, jobs: list[tuple[str, str]], out_path: str) -> None:
+def _sampled_params(seed_base: int) -> list:
+    from shardserve.cluster.engine.request import SamplingParams
+
+    return [SamplingParams(max_tokens=3, temperature=1.0, seed=seed_base + i if i % 2 else None, ignore_eos=True)
+            for i in range(NUM_SAMPLED)]
+
+
+def _worker(rank: int, port: int, jobs: list[tuple[str, str, dict]], out_path: str) -> None:
     torch.set_num_threads(1)
     from shardserve.workers.comm_cpu import GlooGroup
     from shardserve.workers.distributed import set_tp_group
@@ -118,12 +141,17 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, str]], out_path: str) ->
                     runner.execute(message[1])
             return
         results = {}
-        for arch, path in jobs:
-            for k in KS:
+        for arch, path, truth in jobs:
+            for k, policy in RUNS:
                 for name, batch in (("batch", prompts()), ("single", prompts((7,), seed=5))):
                     _broadcast(("build", path, SPLITS[arch]))
                     runner = _runner(path, SPLITS[arch])
-                    results[arch, k, name] = _generate(runner, path, k, group, batch)
+                    results[arch, k, policy, name] = _generate(runner, path, k, policy, group, batch, greedy(),
+                                                               truth if policy == "adaptive" else None)
+        arch, path, _ = jobs[0]
+        _broadcast(("build", path, SPLITS[arch]))
+        results["sampled"] = _generate(_runner(path, SPLITS[arch]), path, 2, "adaptive", group,
+                                       prompts((6,), seed=3) * NUM_SAMPLED, _sampled_params(0))
         _broadcast(("exit",))
         torch.save(results, out_path)
     finally:
@@ -131,17 +159,33 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, str]], out_path: str) ->
 
 
 
-def test_tp2_speculative_greedy_equals_tp1_plain(mtp_checkpoint, tmp_path):
-    jobs = [(arch, str(mtp_checkpoint(arch).path)) for arch in ARCHS]
+def test_tp2_speculative_greedy_and_sampling_equal_tp1_plain(mtp_checkpoint, tmp_path):
+    jobs, expected = [], {}
+    for arch in ARCHS:
+        path = mtp_checkpoint(arch).path
+        reference = make_llm(path, 0)
+        every = prompts() + prompts((7,), seed=5)
+        truth = {tuple(p): d.token_ids for p, d in zip(every, reference.generate(every, greedy(24)))}
+        expected[arch] = {name: [truth[tuple(p)][:20] for p in batch]
+                          for name, batch in (("batch", prompts()), ("single", prompts((7,), seed=5)))}
+        jobs.append((arch, str(path), truth))
     out_path = tmp_path / "tp2-spec.pt"
     run_ranks(_worker, (free_port(), jobs, str(out_path)), nprocs=2, timeout_s=TIMEOUT_S)
     results = torch.load(out_path)
-    for arch, path in jobs:
-        reference = make_llm(Path(path), 0)
-        for name, batch in (("batch", prompts()), ("single", prompts((7,), seed=5))):
-            expected = [d.token_ids for d in reference.generate(batch, greedy())]
-            for k in KS:
-                tokens, free, verified = results[arch, k, name]
-                assert (verified > 0) == (k > 0)
-                assert tokens == expected, f"{arch} TP=2 k={k} {name}: {tokens} != TP=1 plain {expected}"
-                assert free == NUM_BLOCKS, f"{arch} TP=2 k={k} {name}: {free} of {NUM_BLOCKS} blocks free"
+    for arch, _, _ in jobs:
+        for name, want in expected[arch].items():
+            for k, policy in RUNS:
+                tokens, free, verified = results[arch, k, policy, name]
+                where = f"{arch} TP=2 k={k} {policy} {name}"
+                assert verified > 0, where
+                assert tokens == want, f"{where}: {tokens} != TP=1 plain {want}"
+                assert free == NUM_BLOCKS, f"{where}: {free} of {NUM_BLOCKS} blocks free"
+    spec, _, verified = results["sampled"]
+    plain = [d.token_ids for d in make_llm(mtp_checkpoint(ARCHS[0]).path, 0, max_num_seqs=64, num_blocks=320,
+                                           max_num_batched_tokens=64).generate(prompts((6,), seed=3) * NUM_SAMPLED,
+                                                                              _sampled_params(10**6))]
+    counts = [[torch.bincount(torch.tensor([seq[pos] for seq in seqs]), minlength=VOCAB).double() for pos in (1, 2)]
+              for seqs in (spec, plain)]
+    p_values = [two_sample_p(a, b) for a, b in zip(*counts)]
+    print(f"TP=2 adaptive sampling vs TP=1 plain: second / third token p = {p_values}, {verified} drafts verified")
+    assert verified > NUM_SAMPLED // 2 and min(p_values) > 0.01

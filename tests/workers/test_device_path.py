@@ -1,7 +1,7 @@
 """The device-generic runner, exercised on CPU: bfloat16 runs the whole path within the bf16 error
 of the transformers reference, a step leaves nothing off the runner's device, decode graphs (the
 CPU stand-in of CUDA graphs) give the eager tokens, FP8 weights kept in FP8 give the dequantized
-logits, and the memory rule's arithmetic and errors.
+logits, and the device and dtype rules (the memory rule: ``tests/workers/test_plan.py``).
 
 The bf16 bound: transformers itself, run in bf16, moves the logits away from its float32 logits
 by ``e_ref = max_rows max|l_bf16 - l_fp32| / max|l_fp32|`` (teacher-forced rows). Ours may move
@@ -112,11 +112,12 @@ def test_a_step_leaves_no_tensor_off_the_runners_device(checkpoints):
     assert runner.tensors_off_device() == ["cache.1.0: meta"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next"])
 def test_decode_graphs_give_the_eager_tokens(checkpoints, arch):
     """Padded decode batches replayed from fixed buffers (the CPU stand-in of CUDA graphs: same
-    padding, layout, size choice and slicing) == eager steps; a batch above the largest captured
-    size runs eagerly in the same runner."""
+    padding, layout, size choice and slicing, run under the host-sync guard) == eager steps, for
+    every model family (Qwen3-Next: recurrent states at fixed slots, padded rows on the scratch
+    slot); a batch above the largest captured size runs eagerly in the same runner."""
     path, _ = checkpoints(arch)
     runs = {}
     for mode in ("off", "replay"):
@@ -126,6 +127,7 @@ def test_decode_graphs_give_the_eager_tokens(checkpoints, arch):
         first = driver.step({"a": prompts["a"][:6], "b": prompts["b"], "c": prompts["c"]})
         first.update(driver.step({"a": prompts["a"][6:]}))
         tokens, logits = driver.greedy(first, 5)                      # 3 sequences: padded to 4
+        driver.finish("a", "b", "c")                                  # (their state slots, for Qwen3-Next)
         more = driver.greedy({f"x{i}": logits["a"][-1] for i in range(5)}, 1)   # 5 new ones: eager
         runs[mode] = tokens, logits, more[0]
         assert (runner.graphs is not None) == (mode == "replay")
@@ -156,19 +158,9 @@ def test_fp8_weights_kept_in_fp8_give_the_dequantized_logits(checkpoints, tmp_pa
                                atol=1e-4, rtol=1e-4)
 
 
-def test_memory_rule_arithmetic_and_errors():
-    from shardserve.workers.device import (DoesNotFitError, check_weights_fit, cpu_cache_plan, cuda_cache_budget,
-                                           resolve_device, resolve_dtype)
+def test_device_and_dtype_rules():
+    from shardserve.workers.device import resolve_device, resolve_dtype
 
-    gib = 2**30
-    plan = cuda_cache_budget(80 * gib, 0.9, 16 * gib, 4 * gib, 2 * gib, 1 << 20, "cuda:0")
-    assert plan.cache == int(0.9 * 80 * gib) - 22 * gib and plan.capacity == int(0.9 * 80 * gib)
-    with pytest.raises(DoesNotFitError, match=r"0.5 x 80.00 GiB = 40.00 GiB, minus weights 38.00 GiB"):
-        cuda_cache_budget(80 * gib, 0.5, 38 * gib, 4 * gib, 0, 1 << 20, "cuda:0")
-    with pytest.raises(DoesNotFitError, match=r"weights need 100.00 GiB on this rank"):
-        check_weights_fit(100 * gib, 70 * gib, "here", "hint")
-    with pytest.raises(DoesNotFitError, match=r"KV cache 4096.00 GiB exceed"):
-        cpu_cache_plan(4096 * gib, gib)
     assert resolve_device("auto", num_gpus=0) == "cpu" and resolve_device("auto", num_gpus=2) == "cuda"
     with pytest.raises(ValueError, match="--device cuda: no CUDA GPU is visible"):
         resolve_device("cuda", num_gpus=0)

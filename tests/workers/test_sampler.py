@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shardserve.workers.messages import SamplingOptions
-from shardserve.workers.sampler import filter_logits, sample
+from shardserve.workers.sampler import filter_logits, sample, sample_on_device, sampled_tokens
+from shardserve.workers.sync_guard import no_host_sync
 
 
 def naive_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -81,3 +82,38 @@ def test_top_k_and_min_p_never_leave_the_kept_set():
     assert seen == {0, 1}
     seen = {sample(logits, [SamplingOptions(temperature=1.0, min_p=0.05, seed=4)], [i])[0][0] for i in range(300)}
     assert seen == {0, 1} and not math.isnan(logits.sum())
+
+
+def test_a_mixed_batch_samples_on_the_device_and_reads_back_once(monkeypatch):
+    """Greedy, seeded, unseeded, top-k / top-p / min-p and logprob rows in one batch: no host read
+    while sampling (the guard of workers/sync_guard.py; host-to-device copies allowed), one
+    device-to-host transfer for tokens and logprobs, and every row's token equals the row sampled
+    alone (seeded streams; the one unseeded row draws from an equally seeded generator)."""
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)) * 2
+    options = [SamplingOptions(temperature=0, logprobs=3), SamplingOptions(temperature=0.7, top_k=5, seed=9),
+               SamplingOptions(temperature=1.1, top_p=0.8), SamplingOptions(temperature=0.9, min_p=0.1, seed=4, logprobs=0),
+               SamplingOptions(temperature=0, top_k=3)]
+    indices = [0, 4, 2, 7, 1]
+    with torch.inference_mode(), no_host_sync("the sampler", uploads=True):
+        tokens, logprobs = sample_on_device(logits, options, indices, torch.Generator().manual_seed(31))
+    alone = [sample(logits[i:i + 1], [o], [indices[i]], torch.Generator().manual_seed(31))[0][0]
+             for i, o in enumerate(options)]
+    transfers = []
+    original_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: transfers.append(self.shape) or original_cpu(self, *a, **k))
+    out = sampled_tokens([f"r{i}" for i in range(5)], tokens, logprobs, options)
+    assert [t.token_id for t in out] == alone and alone[0] == int(logits[0].argmax()) and alone[4] == int(logits[4].argmax())
+    assert len(transfers) == 1, transfers
+    assert [len(t.top_logprobs or []) for t in out] == [3, 0, 0, 0, 0] and out[2].logprob is None
+    top = logits[0].log_softmax(-1).topk(3)
+    assert [i for i, _ in out[0].top_logprobs] == top.indices.tolist()
+    assert out[3].logprob == pytest.approx(logits[3].log_softmax(-1)[alone[3]].item())
+    # Masked / penalized logits (a grammar forbids row 0's and row 4's argmax) are drawn from; the
+    # logprobs stay those of the raw logits, still without a host read.
+    processed = logits.clone()
+    processed[[0, 4], [alone[0], alone[4]]] = float("-inf")
+    with torch.inference_mode(), no_host_sync("the sampler on processed logits", uploads=True):
+        tokens, logprobs = sample_on_device(processed, options, indices, torch.Generator().manual_seed(31),
+                                            logprob_logits=logits)
+    assert tokens[0] == processed[0].argmax() != alone[0] and tokens[4] == processed[4].argmax() != alone[4]
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.layers.linear import _check_shape
 
@@ -48,6 +49,10 @@ class VocabParallelEmbedding(nn.Module):
     def dense_slot(self, shard_id: int) -> torch.Tensor:
         return self.weight.data
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of the checkpoint tensor (the whole vocabulary)."""
+        return self.vocab_size, self.hidden_size
+
     def set_packed(self, packed) -> None:
         """Use ``packed`` instead of ``weight``; a head tied to this weight picks it up too."""
         if self.weight is not None:
@@ -66,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.vocab_size_local)
         out = self._lookup(local.masked_fill(outside, 0))
         out = out.masked_fill(outside[:, None], 0.0)
-        return group.all_reduce(out)
+        return tp_all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardserve.kernels import fp8_block_linear
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 
 
@@ -112,6 +113,10 @@ class ColumnParallelLinear(PackableLinear):
         """The rows of ``weight`` that packed matrix ``shard_id`` fills."""
         return self.weight.data[self.offsets[shard_id]:self.offsets[shard_id + 1]]
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of packed matrix ``shard_id``'s checkpoint tensor."""
+        return self.shards[shard_id][0], self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x, self.bias)
 
@@ -157,11 +162,19 @@ class RowParallelLinear(PackableLinear):
     def dense_slot(self, shard_id: int) -> torch.Tensor:
         return self.weight.data
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        """Full shape of the checkpoint tensor."""
+        return self.out_features, self.in_features
+
+    def keeps_groups(self, group_size: int) -> bool:
+        """Whether this rank's input columns are whole groups of ``group_size`` (int4 packing)."""
+        return self.local_start % group_size == 0 and self.local_size % group_size == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = get_tp_group()
         out = linear(self, x, None)
         if self.reduce_output and group.tp_size > 1:
-            out = group.all_reduce(out)
+            out = tp_all_reduce(out)
         if self.bias is not None and (self.reduce_output or group.tp_rank == 0):
             out = out + self.bias  # once in the sum, not tp_size times
         return out

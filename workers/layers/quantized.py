@@ -17,7 +17,7 @@ from torch import nn
 
 from shardserve.kernels.packed_linear import (int4_linear, int4_supported, int8_linear, int8_supported,
                                               pack_int4)
-from shardserve.workers.quantization import QuantizedWeight, WeightFormat
+from shardserve.workers.quantization import GROUP_SIZE, QuantizedWeight, WeightFormat
 
 
 class PackedWeight:
@@ -98,17 +98,59 @@ class PackStaging:
         return merged if merged is not None and PackedWeight.supported(merged) else None
 
 
-def apply_weight_format(model: nn.Module, fmt: WeightFormat) -> None:
-    """Before loading: let every packable layer of ``model`` in the compute dtype collect integer
-    forms. Layers whose weight is read directly (``fp8_allowed = False``: MLA's absorbed
-    ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head weights) stay
-    as they are."""
-    for module in model.modules():
+def packed_nbytes(kind: str, shape: tuple[int, int], dtype: torch.dtype, group_size: int = GROUP_SIZE) -> int:
+    """Bytes a :class:`PackedWeight` of ``kind`` and shape ``[N, K]`` keeps (:attr:`PackedWeight.nbytes`,
+    from the shapes alone): int4 ``[N, K / 2]`` uint8 codes + ``[K / group, N, 2]`` scales and zeros in
+    ``dtype``; int8 ``[N, K]`` codes + ``[N]`` float32 and ``[N]`` ``dtype`` scales."""
+    num_out, num_in = shape
+    if kind == "int4":
+        return num_out * num_in // 2 + num_in // group_size * num_out * 2 * dtype.itemsize
+    return num_out * num_in + num_out * (4 + dtype.itemsize)
+
+
+def _packed_kind(model: nn.Module, name: str, module: nn.Module, ckpt, fmt: WeightFormat) -> str | None:
+    """What :func:`process_weights_after_loading` will make of ``module`` (qualified ``name``): the
+    packed kind, or None (float weight), decided from the checkpoint's metadata before any read.
+    The same rules as loading: every part has an integer form of one kind (:meth:`WeightFormat.integer_kind`),
+    a row-parallel int4 slice keeps whole groups, and the kernel takes the local shape."""
+    from shardserve.workers.weight_loader import checkpoint_sources
+
+    embedding = getattr(module, "is_embedding", False)
+    kinds = {fmt.integer_kind(ckpt.get(src).quant_type if src in ckpt else None, module.checkpoint_shape(shard_id),
+                              embedding)
+             for src, shard_id in checkpoint_sources(model, f"{name}.weight", ckpt, module.weight)}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    (kind,) = kinds
+    if kind == "int4" and not getattr(module, "keeps_groups", lambda size: True)(GROUP_SIZE):
+        return None
+    num_out, num_in = module.weight.shape
+    supported = int4_supported(num_out, num_in, GROUP_SIZE) if kind == "int4" else int8_supported(num_out, num_in)
+    return kind if supported else None
+
+
+def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
+    """Before loading (on the meta-device model): let every packable layer of ``model`` in the
+    compute dtype collect integer forms, and decide from ``ckpt``'s metadata which of them will
+    be packed. The weight parameter of such a layer is marked ``packed_kind`` (and
+    ``packed_nbytes``): it stays on the meta device, never allocated, and is replaced by the packed
+    weight after loading. Layers whose weight is read directly (``fp8_allowed = False``: MLA's
+    absorbed ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head
+    weights) stay as they are."""
+    decided = set()
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if (getattr(module, "packable", False) and getattr(module, "fp8_allowed", True) and weight is not None
                 and weight.dtype == fmt.dtype):
             module.staging = PackStaging(fmt, embedding=getattr(module, "is_embedding", False))
             module.weight_format = fmt   # kept: a weight reload stages this layer's parts again
+            if id(weight) in decided:    # a tied LM head: its embedding's weight decides
+                continue
+            decided.add(id(weight))
+            kind = _packed_kind(model, name, module, ckpt, fmt)
+            if kind is not None:
+                weight.packed_kind = kind
+                weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype)
 
 
 @torch.no_grad()
@@ -124,6 +166,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
         if merged is not None:
             module.set_packed(PackedWeight(merged, staging.fmt.dtype))
             continue
+        if not staging.parts:       # a tied LM head: its embedding's loader staged the parts
+            continue
+        if module.weight.is_meta:   # NOTE: apply_weight_format's decision and loading disagree: a bug
+            raise RuntimeError(f"{type(module).__name__} {tuple(module.weight.shape)} was planned "
+                               f"{module.weight.packed_kind} but its parts do not pack")
         for shard_id, part in staging.parts.items():
             if part is not None:
                 module.dense_slot(shard_id).copy_(part.dequantize())
@@ -131,8 +178,3 @@ def process_weights_after_loading(model: nn.Module) -> None:
         shared = getattr(getattr(module, "weight", None), "packed_as", None)
         if shared is not None:
             module.set_packed(shared)
-
-
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes of every packed weight in ``model``."""
-    return sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)

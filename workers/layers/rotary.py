@@ -16,36 +16,51 @@ class RotaryEmbedding(nn.Module):
         interleaved: pair layout (see :func:`kernels.rotary.apply_rotary_ref`).
 
     The table is ``[max_positions, rot_dim // 2]`` float32; ``attention_scaling`` (YaRN's mscale on
-    cos/sin, 1.0 for default RoPE) is folded in. It is computed on the CPU whatever the default
-    device (the model may be built under ``torch.device("cuda")`` or ``"meta"``); ``model.to(device)``
-    moves it with the model.
+    cos/sin, 1.0 for default RoPE) is folded in. It is computed on the CPU (the values do not depend
+    on where the model runs) and moved with the model. Built under the ``meta`` device (the
+    meta-device build of ``workers/weight_loader.py``), the table is only a shape until
+    :meth:`init_buffers` computes it where the model is materialized.
     """
 
     def __init__(self, config, rot_dim: int, max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
+        self.config, self.rot_dim, self.max_positions = config, rot_dim, max_positions
+        if torch.get_default_device().type == "meta":
+            shape = (max_positions, rot_dim // 2)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+        else:
+            self.init_buffers(torch.get_default_device())
+        self.interleaved = interleaved
+        self._angles: tuple[torch.Tensor, ...] = ()   # (positions, cos, sin) of the last call
+        self._factors: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # rotary_factors of _angles
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the ``cos`` / ``sin`` tables (on the CPU, as transformers does) and keep them on ``device``."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        config, rot_dim = self.config, self.rot_dim
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
         rope_type = params.get("rope_type", "default")
-        with torch.device("cpu"):   # NOTE: overrides a "cuda"/"meta" default device of the caller
+        with torch.device("cpu"):   # NOTE: overrides a "cuda" default device of the caller
             if rope_type == "default":
                 base = params["rope_theta"]
                 inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
                 scaling = 1.0
             else:
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
-        self.interleaved = interleaved
-        self._angles: tuple[torch.Tensor, ...] = ()   # (positions, cos, sin) of the last call
-        self._factors: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # rotary_factors of _angles
+            freqs = torch.arange(self.max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+        self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each ``x [T, heads, rot_dim]`` by the angles of ``positions [T]``."""
         from shardserve.kernels import apply_rotary, use_triton
         from shardserve.kernels.rotary import rotary_factors, rotate
 
+        if torch.compiler.is_compiling():   # no per-step memo in a graph: Inductor shares the work itself
+            cos, sin = self.cos[positions], self.sin[positions]
+            return tuple(rotate(x, *rotary_factors(cos, sin, x.dtype, self.interleaved), self.interleaved) for x in xs)
         if not self._angles or self._angles[0] is not positions:   # once per step, not once per layer
             self._angles = (positions, self.cos[positions], self.sin[positions])
             self._factors = {}

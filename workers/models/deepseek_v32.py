@@ -25,14 +25,12 @@ import torch
 from torch import nn
 
 from shardserve.workers.distributed import get_tp_group
-from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
 from shardserve.workers.models.dsa_indexer import DSAIndexer
 from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
-from shardserve.workers.models.paged_batch import PagedBatch
 from shardserve.workers.partition import split_units
 
 
@@ -62,16 +60,16 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual, batch, prev_topk, top_k):
-        """Returns ``(mlp_out [T, hidden], residual [T, hidden], topk)`` (see :class:`MLAAttention`)."""
+    def forward(self, positions, hidden, residual, top_k):
+        """Returns ``(mlp_out [T, hidden], residual [T, hidden])`` (``top_k``: see :class:`MLAAttention`)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, topk = self.self_attn(positions, hidden, batch, prev_topk, top_k)
+        hidden = self.self_attn(positions, hidden, top_k)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual, topk
+        return self.mlp(hidden), residual
 
 
 class DeepseekModel(nn.Module):
@@ -123,12 +121,9 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, top_k: int | None) -> torch.Tensor:
         """``input_ids [T], positions [T] -> hidden [T, hidden_size]``; ``top_k`` None = dense MLA."""
-        meta = get_attention_metadata()
-        block_size = self.layers[0].self_attn.latent_cache.shape[1]
-        batch = PagedBatch.build(meta, block_size)
-        hidden, residual, topk = self.embed_tokens(input_ids), None, None
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden, residual, topk = layer(positions, hidden, residual, batch, topk, top_k)
+            hidden, residual = layer(positions, hidden, residual, top_k)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -111,7 +111,7 @@ class DSAIndexer(nn.Module):
         """Cache this step's indexer keys and select each query token's top-k keys.
 
         Scoring and selection run in :func:`kernels.indexer_topk` (Triton on GPU) over the paged
-        indexer cache; ``n_heads^-0.5`` and the softmax scale ``D_idx^-0.5`` are folded into the
+        indexer cache, in row chunks of bounded logits (memory independent of the context); ``n_heads^-0.5`` and the softmax scale ``D_idx^-0.5`` are folded into the
         weights (both positive, so ``w * relu(s * q.k) == (w * s) * relu(q.k)``).
 
         Args:
@@ -141,4 +141,4 @@ class DSAIndexer(nn.Module):
         decode = meta.max_query_len == 1               # one query per sequence: the batched decode path
         return indexer_topk(q, weights, self.k_cache, meta.block_tables, meta.seq_lens, top_k,
                             None if decode else meta.query_start_loc, meta.max_seq_len, q_scale=q_scale,
-                            sink=self.sink)
+                            sink=self.sink, query_start_host=meta.query_start_host, seq_lens_host=meta.seq_lens_host)

@@ -28,6 +28,7 @@ from torch import nn
 
 from shardserve.kernels import causal_conv1d, gated_delta_chunk, gated_delta_recurrent
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import opaque_call
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.workers.state_cache import SeqGroup
@@ -134,9 +135,20 @@ class GatedDeltaNet(nn.Module):
         return inputs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata().state
         num_tokens = hidden.shape[0]
         mixed, z, b, a = self._project(hidden)
+        (out,) = opaque_call(self, (mixed, b, a))
+        return self.out_proj(self._gated_norm(out, z).reshape(num_tokens, -1))
+
+    def opaque_fake(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor]:
+        return (mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim),)
+
+    def opaque_forward(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor]:
+        """The recurrent part of one step (opaque to ``--compile``: it reads and writes the slots'
+        states): conv window, gates, the gated delta rule. ``mixed [T, C], b, a [T, Hv]`` ->
+        ``([T, Hv, V],)`` before the gated norm."""
+        meta = get_attention_metadata().state
+        num_tokens = mixed.shape[0]
         conv_state, ssm_state = self.kv_cache
         checkpoint = None
         if meta.keep:   # speculative verify: the recurrent group's states before the step, its conv inputs
@@ -157,7 +169,7 @@ class GatedDeltaNet(nn.Module):
         recurrent_inputs = self._delta_rule(gated_delta_recurrent, meta.recurrent, inputs, out)
         if checkpoint is not None:
             meta.snapshots[self.state_index] = (*checkpoint, recurrent_inputs)
-        return self.out_proj(self._gated_norm(out, z).reshape(num_tokens, -1))
+        return (out,)
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """transformers' ``Qwen3NextRMSNormGated``: ``weight * rmsnorm(x) * silu(gate)`` per head."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels import paged_attention, silu_and_mul, store_kv
+from shardserve.workers.compilation import opaque_call
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -55,7 +56,6 @@ class LlamaAttention(nn.Module):
         return [(shape, self.cache_dtype), (shape, self.cache_dtype)]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata()
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Q and K heads side by side: one RoPE call rotates both ([T, H + Hkv, D]).
@@ -63,11 +63,20 @@ class LlamaAttention(nn.Module):
                                                                       self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        (out,) = opaque_call(self, (q, k, v))
+        return self.o_proj(out.reshape(-1, q_size))
+
+    def opaque_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        """Write this step's K/V into the paged caches and attend: ``q [T, H, D]``, ``k, v [T, Hkv, D]``
+        -> ``([T, H, D],)`` (opaque to torch.compile: ``workers/compilation.py``)."""
+        meta = get_attention_metadata()
         k_cache, v_cache = self.kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              self.scale, meta.max_query_len, meta.max_seq_len, meta.step_cache)
-        return self.o_proj(out.reshape(-1, q_size))
+        return (paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                self.scale, meta.max_query_len, meta.max_seq_len, meta.step_cache),)
+
+    def opaque_fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.empty_like(q),)
 
 
 class LlamaMLP(nn.Module):

@@ -11,10 +11,13 @@ Math follows transformers' ``DeepseekV3Attention`` / ``DeepseekV32Attention`` /
     softmax scale = qk_head_dim^-0.5 * mscale^2 (YaRN, ``mscale_all_dim``)
 
 The cache holds ``[c, k_pe]`` per token (``[num_blocks, block_size, kv_lora + rope]``, the same on
-every rank; heads are split across ranks in whole heads, possibly unevenly). Prefill expands
-``kv_b_proj`` over the context; decode steps use the absorbed form: ``W_UK`` is folded into the
-query (``q_lat = q_nope W_UK``, scores against the latent directly) and ``W_UV`` is applied after
-attention, so the context is never expanded. Both are exact rewrites of the same math.
+every rank; heads are split across ranks in whole heads, possibly unevenly). Two exact forms of
+the same math: absorbed (``W_UK`` folded into the query, ``q_lat = q_nope W_UK``, scores against
+the latent rows directly, ``W_UV`` after attention: the context is never expanded) for decode,
+DSA's sparse prefill (each token reads only its top-k latent rows) and short query chunks; and
+expanded (``k_nope, v = kv_b_proj(c)`` one key chunk at a time, FlashAttention's online softmax)
+for long dense prefill chunks. No step allocates anything of size ``tokens x context``
+(:mod:`kernels.workspace`).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from torch import nn
 
 from shardserve.kernels import apply_rotary, store_cache
 from shardserve.kernels.mla_attention import mla_attention
+from shardserve.kernels.mla_prefill import mla_prefill_dense
+from shardserve.workers.compilation import opaque_call
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
-from shardserve.workers.models.dsa_indexer import DSAIndexer, selection_mask
+from shardserve.workers.models.dsa_indexer import DSAIndexer
 from shardserve.workers.models.paged_batch import PagedBatch
 
 
@@ -62,9 +67,9 @@ class MLAAttention(nn.Module):
         indexer: this layer's own indexer, or None.
         shares_topk: use the selection of the most recent layer with an indexer (GLM IndexShare).
 
-    ``forward(positions [T], hidden [T, hidden], batch, prev_topk, top_k) -> ([T, hidden], topk)``
-    where ``topk`` is ``[T, k]`` int32 selected positions (``-1`` padded, see
-    :meth:`DSAIndexer.forward`) or None (= all keys).
+    ``forward(positions [T], hidden [T, hidden], top_k) -> [T, hidden]``; the step's DSA selection
+    passes from a layer with an indexer to the "shared" layers after it through the step's
+    metadata (:meth:`opaque_forward`).
     ``kv_cache`` is set by the runner: ``(latent_cache[, indexer_cache])``.
     """
 
@@ -134,9 +139,10 @@ class MLAAttention(nn.Module):
         q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
         return self.q_b_proj(q_latent).view(hidden.shape[0], self.num_heads, -1), q_latent
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: PagedBatch,
-                prev_topk: torch.Tensor | None, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = get_attention_metadata()
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, top_k: int | None) -> torch.Tensor:
+        """``positions [T], hidden [T, hidden] -> [T, hidden]`` (all-reduced); ``top_k`` None = dense MLA.
+        The projections, norms and RoPE are traced by ``--compile``; the cache writes, the indexer
+        and attention are one opaque call (:meth:`opaque_forward`)."""
         q, q_latent = self._queries(hidden)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -144,52 +150,73 @@ class MLAAttention(nn.Module):
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
         q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)
         k_pe = apply_rotary(k_pe[:, None, :], cos, sin, self.rope_interleaved)[:, 0]
-        store_cache(torch.cat((c, k_pe), dim=-1), self.latent_cache, meta.slot_mapping)
+        latent = torch.cat((c, k_pe), dim=-1)
+        q_latent = q_latent if q_latent is not None else latent   # (not read without an indexer)
+        (out,) = opaque_call(self, (hidden, q_nope, q_pe, latent, cos, sin, q_latent), (top_k or 0,))
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
 
-        topk = prev_topk if self.shares_topk else None
-        if self.indexer is not None and top_k is not None:
-            topk = self.indexer(hidden, q_latent, cos, sin, meta, top_k)
+    def opaque_forward(self, hidden, q_nope, q_pe, latent, cos, sin, q_latent, top_k: int):
+        """Cache writes, DSA selection and attention of one step: ``latent [T, kv_lora + rope]`` is
+        written to the latent cache; ``top_k`` 0 = dense MLA; returns ``([T, H_local, v],)``.
+
+        The selection (``[T, k]`` int32 positions, see :meth:`DSAIndexer.forward`, or None = all
+        keys) of a layer with an indexer is kept in the step's ``step_cache["dsa_topk"]``, where a
+        GLM "shared" layer, which runs after it, reads it (IndexShare)."""
+        meta = get_attention_metadata()
+        batch = PagedBatch.of_step(meta, self.latent_cache.shape[1])
+        store_cache(latent, self.latent_cache, meta.slot_mapping)
+        topk = meta.step_cache.get("dsa_topk") if self.shares_topk and top_k else None
+        if self.indexer is not None and top_k:
+            topk = meta.step_cache["dsa_topk"] = self.indexer(hidden, q_latent, cos, sin, meta, top_k)
         if self.record_topk:
             self.last_topk = topk
         if batch.max_query_len == 1:
-            out = self._decode(q_nope, q_pe, meta, topk)
-        else:
-            out = batch.unpad(self._prefill(batch, batch.pad(q_nope), batch.pad(q_pe), topk))   # [T, H_local, v]
-        return self.o_proj(out.reshape(hidden.shape[0], -1)), topk
+            return (self._decode(q_nope, q_pe, meta, topk),)
+        return (self._prefill(q_nope, q_pe, meta, batch, topk),)                                # [T, H_local, v]
 
-    def _prefill(self, batch: PagedBatch, q_nope, q_pe, topk) -> torch.Tensor:
-        """Prefill / mixed steps: expand the context through ``kv_b_proj`` (padded ``[B, Q, H, *]``)."""
-        if topk is None:
-            allowed = batch.causal.clone()
-        else:
-            allowed = batch.causal & batch.pad(selection_mask(topk, batch.max_seq_len))
-        allowed[:, :, 0] |= ~allowed.any(-1)          # padded query rows: one key instead of none (dropped later)
-        latent = batch.gather(self.latent_cache)      # [B, S, kv_lora + rope]
-        c_ctx, k_pe_ctx = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return self._attend_expanded(q_nope, q_pe, c_ctx, k_pe_ctx, allowed)
+    def opaque_fake(self, hidden, q_nope, q_pe, latent, cos, sin, q_latent, top_k: int):
+        return (q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim),)
 
     def _decode(self, q_nope, q_pe, meta, topk: torch.Tensor | None) -> torch.Tensor:
-        """Decode (one query per sequence): absorbed MLA, ``W_UK`` folded into q and ``W_UV``
-        after attention, over the paged latent cache; with DSA only the ``topk [T, k]`` selected
-        positions are read, so the cost stays flat in the context length. Returns ``[T, H, v]``."""
+        """Decode (one query per sequence): absorbed MLA over the paged latent cache; with DSA only
+        the ``topk [T, k]`` selected positions are read, so the cost stays flat in the context
+        length. Returns ``[T, H, v]``."""
+        return self._absorbed(q_nope, q_pe, meta.block_tables, meta.seq_lens, None, topk, meta.max_seq_len)
+
+    def _absorbed(self, q_nope, q_pe, block_tables, seq_lens, query_start_loc, topk, max_seq_len) -> torch.Tensor:
+        """Absorbed MLA: ``W_UK`` folded into q, attention over the latent rows (all causal ones, or
+        each token's ``topk``), ``W_UV`` after. ``query_start_loc`` None = decode. Returns ``[T, H, v]``."""
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)        # [H, nope, C], [H, v, C]
         q_absorbed = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        out_latent = mla_attention(q_absorbed, q_pe, self.latent_cache, meta.block_tables, meta.seq_lens,
-                                   self.scale, topk_indices=topk, max_seq_len=meta.max_seq_len)
+        out_latent = mla_attention(q_absorbed, q_pe, self.latent_cache, block_tables, seq_lens, self.scale,
+                                   query_start_loc, topk_indices=topk, max_seq_len=max_seq_len)
         return torch.einsum("thc,hvc->thv", out_latent, w_uv)
 
-    def _softmax(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``scores [B, H, Q, S]`` -> probabilities over allowed keys, float32 softmax as HF."""
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
-
-    def _attend_expanded(self, q_nope, q_pe, c_ctx, k_pe_ctx, allowed) -> torch.Tensor:
-        """Prefill: expand the context through ``kv_b_proj``. Inputs ``[B, Q, H, *]`` queries,
-        ``[B, S, *]`` context; returns ``[B, Q, H, v]``."""
-        batch_size, num_keys = c_ctx.shape[:2]
-        kv = self.kv_b_proj(c_ctx).view(batch_size, num_keys, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        scores = (torch.einsum("bqhn,bshn->bhqs", q_nope, k_nope)
-                  + torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe_ctx)) * self.scale
-        return torch.einsum("bhqs,bshv->bqhv", self._softmax(scores, allowed), value)
+    def _prefill(self, q_nope, q_pe, meta, batch: PagedBatch, topk: torch.Tensor | None) -> torch.Tensor:
+        """Steps with several queries per sequence (prefill chunks, mixed and verify steps), in memory
+        linear in the context. With a DSA selection: sparse prefill, each token attends to its
+        ``topk`` latent rows only (absorbed, ``O(T x H x k)``). Without (dense MLA, or every context
+        within top-k): per sequence the cheaper exact form, long chunks expanded through
+        ``kv_b_proj`` one key chunk at a time (:func:`kernels.mla_prefill.mla_prefill_dense`), short
+        ones absorbed. Returns ``[T, H, v]``."""
+        if topk is not None:
+            return self._absorbed(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.query_start_loc, topk,
+                                  meta.max_seq_len)
+        out = None
+        for group in batch.dense_groups(self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim):
+            rows = slice(None) if group.token_idx is None else group.token_idx
+            if group.expanded:
+                w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+                part = mla_prefill_dense(q_nope[rows], q_pe[rows], self.latent_cache, group.block_tables,
+                                         group.seq_lens, group.query_start_loc, w_kv, self.scale,
+                                         query_start_host=group.query_start_host, seq_lens_host=group.seq_lens_host)
+            else:
+                part = self._absorbed(q_nope[rows], q_pe[rows], group.block_tables, group.seq_lens,
+                                      group.query_start_loc, None, group.max_seq_len)
+            if group.token_idx is None:
+                return part
+            if out is None:
+                out = part.new_empty(q_nope.shape[0], *part.shape[1:])
+            out[group.token_idx] = part
+        return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardserve.kernels import fused_moe, silu_and_mul
 from shardserve.workers.checkpoint import LazyTensor
-from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.compilation import opaque_call, tp_all_reduce
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -136,6 +136,16 @@ class FusedExperts(nn.Module):
         param.data[shard_id].copy_(tensor.load())
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        (out,) = opaque_call(self, (hidden, weights, expert_ids))   # routing is data-dependent: never traced
+        return out
+
+    def opaque_fake(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.empty_like(hidden),)
+
+    def opaque_forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self._experts(hidden, weights, expert_ids),)
+
+    def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if self.w13_weight.dtype == torch.float8_e4m3fn:   # kept in FP8 on GPUs (workers/fp8.py)
             return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first,
                              self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block_size)
@@ -171,5 +181,4 @@ class DeepseekMoE(nn.Module):
         out = self.experts(hidden, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
-        group = get_tp_group()
-        return group.all_reduce(out) if group.tp_size > 1 else out
+        return tp_all_reduce(out)

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from shardserve.workers.checkpoint import Checkpoint, CheckpointError
-from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.linear import ColumnParallelLinear
 from shardserve.workers.layers.norm import RMSNorm
@@ -35,7 +34,6 @@ from shardserve.workers.models.deepseek_v32 import (DeepseekDecoderLayer, Deepse
 from shardserve.workers.models.dsa_indexer import DSAIndexer
 from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
-from shardserve.workers.models.paged_batch import PagedBatch
 
 
 def num_mtp_layers(config) -> int:
@@ -90,11 +88,11 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         self.shared_head = SharedHead(config, dtype)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
-                    batch: PagedBatch, top_k: int | None) -> torch.Tensor:
+                    top_k: int | None) -> torch.Tensor:
         """``input_ids [T]`` (token ``t+1``), ``positions [T]`` (``t``), ``prev_hidden [T, hidden]``
         (``h_t``) -> block output ``o_t [T, hidden]`` (before ``shared_head.norm``)."""
         fused = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)), dim=-1))
-        out, residual, _ = self(positions, fused, None, batch, None, top_k)
+        out, residual = self(positions, fused, None, top_k)
         return out + residual
 
 
@@ -107,7 +105,8 @@ class DeepseekMTPModel(nn.Module):
 
     Args:
         config: the HF config of the whole checkpoint (``num_nextn_predict_layers >= 1``).
-        ckpt_names: tensor names in the checkpoint (decides indexer, MoE and head fallbacks).
+        ckpt_names: the checkpoint's tensor names, any container answering ``name in ckpt_names``
+            (decides indexer, MoE and head fallbacks).
         dtype: parameter and cache dtype.
 
     Raises:
@@ -116,7 +115,7 @@ class DeepseekMTPModel(nn.Module):
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, ckpt_names: set[str], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, ckpt_names, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if num_mtp_layers(config) < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers is 0 or unset); "
@@ -146,14 +145,12 @@ class DeepseekMTPModel(nn.Module):
         return [self.mtp.self_attn]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata()
-        batch = PagedBatch.build(meta, self.mtp.self_attn.latent_cache.shape[1])
-        return self.mtp.mtp_forward(input_ids, positions, prev_hidden, batch, self.top_k)
+        return self.mtp.mtp_forward(input_ids, positions, prev_hidden, self.top_k)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp.shared_head(hidden)
 
-    def checkpoint_name(self, param_name: str, names: set[str]) -> str:
+    def checkpoint_name(self, param_name: str, names) -> str:
         """Checkpoint tensor for parameter ``mtp.<sub>`` (before unpacking ``gate_up_proj``), with
         the main model's embedding / LM head as fallbacks."""
         sub = param_name.removeprefix("mtp.")
@@ -165,11 +162,22 @@ class DeepseekMTPModel(nn.Module):
         return name
 
 
+def build_mtp_meta_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> DeepseekMTPModel:
+    """The draft model on the ``meta`` device (nothing allocated): what :func:`build_mtp_model`
+    materializes, and what ``workers/plan.py`` counts.
+
+    Raises:
+        ValueError: no MTP layer in the checkpoint.
+    """
+    with torch.device("meta"):
+        return DeepseekMTPModel(config, ckpt, dtype)   # the checkpoint answers `name in ckpt`
+
+
 @torch.no_grad()
 def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> tuple[DeepseekMTPModel, int]:
-    """Build the draft model on ``device`` and load its weights (FP8 block-scaled tensors are
-    dequantized: the draft is one layer).
+    """Build the draft model on the meta device, allocate it on ``device`` and load its weights
+    (FP8 block-scaled tensors are dequantized: the draft is one layer).
 
     Returns:
         ``(model in eval mode, weight bytes)``.
@@ -179,18 +187,17 @@ def build_mtp_model(config, ckpt: Checkpoint, dtype: torch.dtype = torch.float32
         CheckpointError: a tensor is missing or has the wrong shape.
     """
     from shardserve.workers.fp8 import dequantizing_checkpoint
-    from shardserve.workers.weight_loader import checkpoint_sources, default_weight_loader
+    from shardserve.workers.weight_loader import checkpoint_sources, default_weight_loader, materialize
 
     ckpt = dequantizing_checkpoint(ckpt, config)
-    names = set(ckpt.names())
-    with torch.device(device):
-        model = DeepseekMTPModel(config, names, dtype)
+    model = build_mtp_meta_model(config, ckpt, dtype)
+    materialize(model, device)
     total = 0
     for name, param in model.named_parameters():
         loader = getattr(param, "weight_loader", default_weight_loader)
-        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, names), ckpt, param):
-            if ckpt_name not in names:
+        for ckpt_name, shard_id in checkpoint_sources(model, model.checkpoint_name(name, ckpt), ckpt, param):
+            if ckpt_name not in ckpt:
                 raise CheckpointError(f"{ckpt.path}: missing MTP tensor {ckpt_name!r}")
             loader(param, ckpt.get(ckpt_name), shard_id)
         total += param.numel() * param.element_size()
-    return model.to(device).eval(), total   # .to: the RoPE tables are made on the CPU
+    return model.eval(), total

@@ -27,6 +27,7 @@ from torch import nn
 
 from shardserve.kernels import paged_attention, store_kv
 from shardserve.workers.checkpoint import LazyTensor
+from shardserve.workers.compilation import opaque_call, tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -93,7 +94,6 @@ class Qwen3NextAttention(nn.Module):
         return torch.cat((rotated, x[..., self.rot_dim:]), dim=-1)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata()
         num_tokens, hd = hidden.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj(hidden).split([2 * self.num_heads * hd, self.num_kv_heads * hd,
                                                    self.num_kv_heads * hd], dim=-1)
@@ -102,12 +102,20 @@ class Qwen3NextAttention(nn.Module):
         k = self.k_norm(k.reshape(-1, hd)).view(num_tokens, self.num_kv_heads, hd)
         q, k = self._rope(positions, q), self._rope(positions, k)
         v = v.reshape(num_tokens, self.num_kv_heads, hd)
-        k_cache, v_cache = self.kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              hd ** -0.5, meta.max_query_len, meta.max_seq_len, meta.step_cache)
+        (out,) = opaque_call(self, (q, k, v))
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
+
+    def opaque_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        """Cache write and paged attention (opaque to ``--compile``), as :class:`LlamaAttention`'s."""
+        meta = get_attention_metadata()
+        k_cache, v_cache = self.kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return (paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                self.head_dim ** -0.5, meta.max_query_len, meta.max_seq_len, meta.step_cache),)
+
+    def opaque_fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.empty_like(q),)
 
 
 class Qwen3NextMoE(nn.Module):
@@ -145,8 +153,7 @@ class Qwen3NextMoE(nn.Module):
         out = self.experts(hidden, weights.to(logits.dtype), expert_ids)
         # sigmoid(gate) * partial shared output sums to sigmoid(gate) * the whole one over ranks
         out = out + torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight)) * self.shared_expert(hidden)
-        group = get_tp_group()
-        return group.all_reduce(out) if group.tp_size > 1 else out
+        return tp_all_reduce(out)
 
 
 class Qwen3NextDecoderLayer(nn.Module):

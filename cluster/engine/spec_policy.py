@@ -1,0 +1,290 @@
+"""How many tokens to draft, per request and step: speculation only where it pays.
+
+A draft step is not free: the draft model runs (one pass that adds the accepted positions to its
+cache and chains ``d`` drafts), and the target's verify step computes ``1 + d`` query rows per
+request instead of one (and, on a GPU, runs eagerly instead of replaying a decode graph). What it
+returns is the accepted drafts. :class:`AdaptivePolicy` measures both sides as the engine runs and
+drafts at the depth that maximizes expected tokens per second; :class:`FixedPolicy` always drafts
+``K`` (``--speculative-policy fixed``, vLLM's and SGLang's behaviour).
+
+Acceptance (per request and draft position ``j``): ``c_j``, the chance that draft ``j`` is accepted
+once drafts ``1..j-1`` were, counted per request and pooled over all requests (the pool, which
+follows recent traffic, is the prior of a request with few observations:
+``(hits + m * pool) / (trials + m)``, ``m = 4``), taken one standard error optimistic so that
+positions with few trials get tried. A request drafted ``d`` deep then emits
+``1 + sum_{j<=d} prod_{i<=j} c_i`` tokens per step on average (Leviathan et al. 2023, eq. 1, with
+position-dependent rates).
+
+Cost (seconds, fitted online by least squares with exponential forgetting):
+- a plain step of ``B`` decoding requests: ``T(B) = a + b * B``;
+- a verify step: ``T(B) + J + v * (extra rows)``, its extra over a plain step of the same batch
+  (``J``: fixed cost, e.g. no decode graph; ``v``: per verified draft token);
+- a draft pass: ``D0 + D1 * depth + D2 * (rows of the chained steps) + D3 * (cache entries)``.
+
+Each step the policy compares staying plain with drafting at every depth ``1..K`` (per request
+the depth is cut where ``prod c_i`` falls below what a draft token costs at the plain rate) and
+keeps the best expected rate; drafting must beat the plain rate by 5 % (a misjudged cost must not
+make decoding slower), and while it drafts, one step in 33 stays plain (the draft cache kept warm)
+so that ``T(B)`` is measured again: the plain rate is what drafting is compared with, and an early
+slow plain step would otherwise make drafting look better for good. Plain steps skip the draft model entirely ("cold": the MTP cache then
+misses those positions, which only weakens later drafts) unless drafting is within 10 % of the plain
+rate, when the draft keeps its cache warm for a switch. Costs that were never measured make the
+policy try drafting at depth 1 for a step (exploration): first while it warms up, then again after
+64, 128, ... 1024 cold steps, or when the batch size moves to one it has not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_OBSERVATIONS = 3         # measurements of a cost term before the policy trusts it
+PRIOR_STRENGTH = 4.0         # pseudo-trials of the pooled acceptance in a request's estimate
+POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates follow recent traffic
+WARM_MARGIN = 0.9            # stay warm while drafting's estimate reaches this share of the plain rate
+DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
+PLAIN_RECHECK = 32           # drafting steps between two warm plain steps that re-measure T(B)
+MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
+
+
+class LinearFit:
+    """Recursive least squares ``y ~ w . x`` with exponential forgetting (a ridge prior keeps it
+    defined before enough data arrives; the prior pulls towards ``prior``).
+
+    Args:
+        prior: initial weights. strength: ridge weight of the prior. forget: per-observation decay.
+    """
+
+    def __init__(self, prior: list[float], strength: float = 1e-3, forget: float = 0.98) -> None:
+        size = len(prior)
+        self.w = list(prior)
+        self.forget = forget
+        self.p = [[(1.0 / strength if i == j else 0.0) for j in range(size)] for i in range(size)]
+        self.count = 0
+
+    def predict(self, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.w, x))
+
+    def observe(self, x: list[float], y: float) -> None:
+        size = len(self.w)
+        px = [sum(self.p[i][j] * x[j] for j in range(size)) for i in range(size)]
+        denom = self.forget + sum(x[i] * px[i] for i in range(size))
+        gain = [v / denom for v in px]
+        error = y - self.predict(x)
+        self.w = [w + g * error for w, g in zip(self.w, gain)]
+        self.p = [[(self.p[i][j] - gain[i] * px[j]) / self.forget for j in range(size)] for i in range(size)]
+        self.count += 1
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A request that decodes next step, as the policy sees it."""
+
+    req_id: str
+    max_depth: int                   # drafts that cannot pass max_tokens or the context length (<= K)
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    """Per-position conditional acceptance counts (``trials[j]``: draft ``j + 1`` was verified
+    after ``j`` accepted ones; ``hits[j]``: it was accepted)."""
+
+    trials: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+
+    def add(self, num_drafts: int, num_accepted: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.trials = [t * decay for t in self.trials]
+            self.hits = [h * decay for h in self.hits]
+        for j in range(min(num_drafts, num_accepted + 1)):
+            if j >= len(self.trials):
+                self.trials.append(0.0)
+                self.hits.append(0.0)
+            self.trials[j] += 1.0
+            self.hits[j] += j < num_accepted
+
+
+class FixedPolicy:
+    """Always ``K`` drafts (cut by each request's limits); the draft model always runs."""
+
+    name = "fixed"
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+
+    def wants_hidden(self, num_seqs: int) -> bool:
+        return True
+
+    def depths(self, candidates: list[Candidate]) -> list[int]:
+        return [min(self.max_depth, c.max_depth) for c in candidates]
+
+    def observe_step(self, num_seqs: int, num_tokens: int, num_drafts: int, has_prefill: bool, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, depth: int, chain_rows: int, entries: int, seconds: float) -> None:
+        pass
+
+    def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+
+class AdaptivePolicy(FixedPolicy):
+    """Drafts only when and as deep as it pays (see the module docstring).
+
+    Args:
+        max_depth: ``K`` (``--speculative-tokens``).
+        prior_acceptance: pooled acceptance rate assumed before any draft was verified.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, max_depth: int, prior_acceptance: float = 0.6) -> None:
+        super().__init__(max_depth)
+        self.plain = LinearFit([0.0, 0.0])              # T(B) = a + b B
+        self.verify = LinearFit([0.0, 0.0])             # extra over T(B) = J + v * extra rows
+        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0])    # D0 + D1 depth + D2 chain rows + D3 entries
+        self.pool = _Acceptance([PRIOR_STRENGTH] * max_depth, [PRIOR_STRENGTH * prior_acceptance] * max_depth)
+        self.requests: dict[str, _Acceptance] = {}
+        self.warm = True                                # the last decision keeps the draft cache filled
+        self.cold_steps = 0
+        self.drafting_steps = 0                         # since the last plain step
+        self.probe_interval = 64
+        self.seen_batches: set[int] = set()             # batch-size buckets with a measured drafting step
+
+    # -- observations ----------------------------------------------------------------------------
+    def observe_step(self, num_seqs: int, num_tokens: int, num_drafts: int, has_prefill: bool, seconds: float) -> None:
+        """A finished target step (engine overhead included): ``num_tokens`` query rows of which
+        ``num_drafts`` verified drafts. Steps with prefill chunks are not decode costs: skipped."""
+        if has_prefill or num_seqs == 0:
+            return
+        if num_drafts == 0:
+            self.plain.observe([1.0, float(num_seqs)], seconds)
+        else:
+            self.verify.observe([1.0, float(num_drafts)], seconds - self.plain.predict([1.0, float(num_seqs)]))
+            self.seen_batches.add(_bucket(num_seqs))
+
+    def observe_draft(self, depth: int, chain_rows: int, entries: int, seconds: float) -> None:
+        """A finished draft pass: ``depth`` drafts deep, ``chain_rows`` rows over its chained
+        steps, ``entries`` cache entries written by its first forward."""
+        self.draft.observe([1.0, float(depth), float(chain_rows), float(entries)], seconds)
+
+    def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.requests.setdefault(req_id, _Acceptance()).add(num_drafts, num_accepted)
+        self.pool.add(num_drafts, num_accepted, POOL_DECAY)
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # -- decisions -------------------------------------------------------------------------------
+    def wants_hidden(self, num_seqs: int) -> bool:
+        """Whether the coming step's hidden states feed a draft pass (the draft cache stays warm)."""
+        return self.warm or self._probe_due(num_seqs)
+
+    def _probe_due(self, num_seqs: int) -> bool:
+        return self.cold_steps >= self.probe_interval or _bucket(num_seqs) not in self.seen_batches
+
+    def acceptance(self, req_id: str) -> list[float]:
+        """``c_1..c_K`` of a request (conditional acceptance per draft position), optimistic by one
+        standard error: a position with few trials looks better than its mean, so the policy tries
+        it (and learns) instead of never finding out."""
+        mine = self.requests.get(req_id, _Acceptance())
+        rates = []
+        for j in range(self.max_depth):
+            pooled = self.pool.hits[j] / self.pool.trials[j]
+            trials = mine.trials[j] if j < len(mine.trials) else 0.0
+            hits = mine.hits[j] if j < len(mine.hits) else 0.0
+            mean = (hits + PRIOR_STRENGTH * pooled) / (trials + PRIOR_STRENGTH)
+            rates.append(min(1.0, mean + (mean * (1.0 - mean) / (trials + PRIOR_STRENGTH)) ** 0.5))
+        return rates
+
+    def _costs_known(self) -> bool:
+        return min(self.plain.count, self.verify.count, self.draft.count) >= MIN_OBSERVATIONS
+
+    def depths(self, candidates: list[Candidate]) -> list[int]:
+        """Each candidate's drafts for the next step (0: none); updates the warm/cold state."""
+        if not candidates:
+            return []
+        num_seqs = len(candidates)
+        if self.plain.count < MIN_OBSERVATIONS:              # explore: plain steps (cache kept warm) first,
+            self.warm = True
+            return [0] * num_seqs
+        if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
+            if self._costs_known():                          # then steps drafting one token each
+                self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)
+            self.warm, self.cold_steps = True, 0
+            return [min(1, c.max_depth) for c in candidates]
+        reach = [_reach(self.acceptance(c.req_id), c.max_depth) for c in candidates]   # prod c_i per depth
+        plain_s = max(self.plain.predict([1.0, float(num_seqs)]), 1e-6)
+        plain_rate = num_seqs / plain_s
+        per_token = max(self.verify.w[1] + self.draft.w[2], 0.0)                       # one more draft token
+        floor = per_token * plain_rate                                                 # tokens it must bring
+        best_rate, best = DRAFT_MARGIN * plain_rate, [0] * num_seqs
+        for depth in range(1, self.max_depth + 1):
+            choice = [_cut(r, depth, floor) for r in reach]
+            if not any(choice):
+                continue
+            rate = self._rate(choice, reach, num_seqs, plain_s)
+            if rate > best_rate:
+                best_rate, best = rate, choice
+        drafting_rate = best_rate if any(best) else self._rate([min(1, c.max_depth) for c in candidates], reach,
+                                                                num_seqs, plain_s)
+        self.warm = any(best) or drafting_rate >= WARM_MARGIN * plain_rate
+        self.cold_steps = 0 if self.warm else self.cold_steps + 1
+        if any(best):                                        # drafting pays again: probe soon after it stops
+            self.probe_interval = 64
+            self.drafting_steps += 1
+            if self.drafting_steps > PLAIN_RECHECK:          # a warm plain step keeps T(B) current
+                self.drafting_steps = 0
+                return [0] * num_seqs
+        else:
+            self.drafting_steps = 0
+        return best
+
+    def _rate(self, choice: list[int], reach: list[list[float]], num_seqs: int, plain_s: float) -> float:
+        """Expected tokens per second of a step drafting ``choice`` (per request)."""
+        tokens = sum(1.0 + sum(r[:d]) for r, d in zip(reach, choice))
+        extra = sum(choice)
+        depth = max(choice)
+        chain_rows = sum(sum(1 for d in choice if d > step) for step in range(1, depth))
+        entries = num_seqs + sum(sum(r[:d]) for r, d in zip(reach, choice))
+        seconds = (plain_s + max(self.verify.predict([1.0, float(extra)]), 0.0)
+                   + max(self.draft.predict([1.0, float(depth), float(chain_rows), entries]), 0.0))
+        return tokens / max(seconds, 1e-6)
+
+
+def _reach(rates: list[float], max_depth: int) -> list[float]:
+    """``P(draft j accepted) = prod_{i<=j} c_i`` for ``j = 1..max_depth``."""
+    out, prob = [], 1.0
+    for rate in rates[:max_depth]:
+        prob *= rate
+        out.append(prob)
+    return out
+
+
+def _cut(reach: list[float], depth: int, floor: float) -> int:
+    """The deepest ``j <= depth`` whose acceptance chance still pays for a draft token."""
+    best = 0
+    for j, prob in enumerate(reach[:depth]):
+        if prob >= floor:
+            best = j + 1
+    return best
+
+
+def _bucket(num_seqs: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ... share a bucket (costs scale smoothly in between)."""
+    return max(0, num_seqs - 1).bit_length()
+
+
+def make_policy(name: str, max_depth: int) -> FixedPolicy:
+    """``--speculative-policy``: ``"adaptive"`` or ``"fixed"``.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name == "adaptive":
+        return AdaptivePolicy(max_depth)
+    if name == "fixed":
+        return FixedPolicy(max_depth)
+    raise ValueError(f"--speculative-policy must be 'adaptive' or 'fixed', got {name!r}")

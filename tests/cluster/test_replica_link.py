@@ -1,0 +1,239 @@
+"""The router's streaming link to a replica (``GenerateStream``), without Ray or a model: the real
+gRPC servicer of a coordinator over a stand-in engine that hands every request one token per
+step, all at once, as the engine loop does. Fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from shardserve.cluster.engine.block_manager import cache_seed
+from shardserve.cluster.engine.engine import RequestOutput
+from shardserve.cluster.frontend.openai_router import RouterCore
+from shardserve.cluster.frontend.replica_link import ReplicaLink
+from shardserve.cluster.frontend.security import FrontConfig, key_digest
+from shardserve.cluster.replica.coordinator import DeadlineExceeded, QueueFull
+from shardserve.cluster.replica.grpc_server import start_grpc_server
+from shardserve.proto import inference_pb2 as pb
+from shardserve.proto import inference_pb2_grpc as pb_grpc
+
+
+class StepEngine:
+    """Stands in for a coordinator: ``step()`` gives every running request its next token at once."""
+
+    def __init__(self, tokens_per_request: int = 3, queue_limit: int = 100) -> None:
+        self.tokens, self.queue_limit = tokens_per_request, queue_limit
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aborted: list[str] = []
+        self.seen: dict[str, tuple] = {}   # request id -> (SamplingParams, cache_seed, group) as received
+
+    def encode(self, text=None, chat=None) -> list[int]:
+        return [1, 2]
+
+    async def encode_async(self, text=None, chat=None) -> list[int]:
+        return self.encode(text, chat)
+
+    def step(self) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(None)
+
+    async def generate(self, prompt_ids, params, request_id=None, deadline=None, cache_seed=0, group=None):
+        self.seen[request_id] = (repr(params), cache_seed, group)
+        if len(self.queues) >= self.queue_limit:
+            raise QueueFull("full")
+        if params.max_tokens == 99:
+            raise ValueError("max_tokens 99 is refused")
+        queue = self.queues[request_id] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            for i in range(1, self.tokens + 1):
+                timeout = None if deadline is None else deadline - loop.time()
+                try:
+                    await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+                done = i == self.tokens
+                yield RequestOutput(request_id, [10 + i], f"t{i} ", [], done, "length" if done else None,
+                                    len(prompt_ids), i)
+        finally:
+            self.queues.pop(request_id)
+            if i < self.tokens:
+                self.aborted.append(request_id)
+
+
+def request(rid: str, max_tokens: int = 3) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=[1, 2]),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def run(scenario, front: FrontConfig | None = None):
+    async def main():
+        engine = StepEngine()
+        server = await start_grpc_server(engine, "127.0.0.1", 0, front)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        try:
+            return await scenario(engine, pb_grpc.InferenceStub(channel), server.port)
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    return asyncio.run(main())
+
+
+def test_a_step_for_many_requests_is_one_message_and_each_stream_is_whole():
+    async def scenario(engine, stub, port):
+        link = ReplicaLink(stub)
+        calls = [link.generate(request(f"r{i}")) for i in range(8)]
+        await until(lambda: len(engine.queues) == 8)
+        texts = {call.request_id: "" for call in calls}
+        for _ in range(3):
+            engine.step()
+            for call in calls:
+                texts[call.request_id] += (await call.read()).text
+        ends = [await call.read() for call in calls]
+        return texts, ends, link.num_batches
+
+    texts, ends, batches = run(scenario)
+    assert set(texts.values()) == {"t1 t2 t3 "}
+    assert all(end is grpc.aio.EOF for end in ends)
+    assert batches == 3, f"3 steps of 8 requests arrive as 3 messages, not {batches}"
+
+
+def test_cancel_aborts_on_the_replica_and_errors_keep_their_status():
+    async def scenario(engine, stub, port):
+        link = ReplicaLink(stub)
+        left = link.generate(request("left"))
+        refused = link.generate(request("bad", max_tokens=99))
+        late = link.generate(request("late"), timeout=0.2)
+        await until(lambda: {"left", "late"} <= set(engine.queues))
+        engine.step()
+        first = await left.read()
+        left.cancel()
+        await until(lambda: "left" in engine.aborted)
+        errors = []
+        for call in (refused, late):
+            try:
+                await call.read()
+                await call.read()
+            except grpc.aio.AioRpcError as exc:
+                errors.append(exc.code())
+        await until(lambda: "late" not in engine.queues)
+        return first.text, errors
+
+    first, errors = run(scenario)
+    assert first == "t1 "
+    assert errors == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED]
+
+
+def test_a_request_fails_when_the_replica_goes_away():
+    async def scenario(engine, stub, port):
+        link = ReplicaLink(stub)
+        call = link.generate(request("r"))
+        await until(lambda: "r" in engine.queues)
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")   # nothing listens there
+        dead_stub = pb_grpc.InferenceStub(channel)   # the router's lease keeps its stub alive the same way
+        dead = ReplicaLink(dead_stub)
+        try:
+            await dead.generate(request("x")).read()
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+        finally:
+            await channel.close()
+        call.cancel()
+        return code
+
+    assert run(scenario) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generate():
+    """Sampling controls, structured outputs, cache salt, tenant and group reach the engine the same
+    over the link as over Generate, for the router's token (tenant and group kept) and for a client
+    key (its own tenant; the request's tenant and group ignored); no key: UNAUTHENTICATED."""
+    sampling = pb.SamplingParams(
+        max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, logprobs=2, stop=["!"],
+        stop_token_ids=[9], presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
+        logit_bias={5: 1.5}, min_tokens=1, bad_words=["zz"], allowed_token_ids=[1, 2, 5],
+        structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
+    front = FrontConfig.from_keys(["client-key"], internal_digest=key_digest("router-token"))
+
+    def rich(rid: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=[1, 2]), sampling=sampling,
+                                  cache_salt="salt", tenant="tenant-a", group_id="group-1")
+
+    async def scenario(engine, stub, port):
+        for who, key in (("router", "router-token"), ("client", "client-key")):
+            metadata = (("authorization", f"Bearer {key}"),)
+            call = stub.Generate(rich(f"{who}-unary"), metadata=metadata)
+            link = ReplicaLink(stub, metadata)
+            linked = link.generate(rich(f"{who}-link"))
+            await until(lambda: {f"{who}-unary", f"{who}-link"} <= set(engine.queues))
+            for _ in range(3):
+                engine.step()
+            assert [r.text async for r in call] == ["t1 ", "t2 ", "t3 "]
+            assert [(await linked.read()).text for _ in range(3)] == ["t1 ", "t2 ", "t3 "]
+            link.close()
+        anonymous = ReplicaLink(stub)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await anonymous.generate(rich("nobody")).read()
+        return engine.seen, refused.value.code()
+
+    seen, refused = run(scenario, front)
+    for who in ("router", "client"):
+        assert seen[f"{who}-link"] == seen[f"{who}-unary"], who
+    params, seed, group = seen["router-link"]
+    for value in ("logit_bias={5: 1.5}", "bad_words=['zz']", "allowed_token_ids=[1, 2, 5]", "[ab]+",
+                  "repetition_penalty=1.1", "min_tokens=1", "logprobs=2"):
+        assert value in params, value
+    assert (seed, group) == (cache_seed("tenant-a", "salt"), "group-1")
+    assert seen["client-link"][1] not in (0, seed) and seen["client-link"][2] is None
+    assert "nobody" not in seen and refused == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_answers_over_the_link_and_queue_full_is_429(stream):
+    async def scenario(engine, stub, port):
+        async def fetch() -> dict:
+            return {"state": "ready", "address": f"127.0.0.1:{port}", "error": None,
+                    "info": {"healthy": True, "max_model_len": 64}}
+
+        core = RouterCore("m", ["m"], [fetch], load_tokenizer=lambda: object(), poll_s=30)
+        core.start()
+        try:
+            await core.wait_started()
+
+            async def steps():
+                while True:
+                    engine.step()
+                    await asyncio.sleep(0.01)
+
+            stepper = asyncio.create_task(steps())
+            body = json.dumps({"prompt": [1, 2], "max_tokens": 3, "stream": stream}).encode()
+            answers = await asyncio.gather(*(core.generate("completion", body) for _ in range(4)))
+            texts = []
+            for answer in answers:
+                if stream:
+                    events = [e async for e in answer.body_iterator]
+                    texts.append("".join(json.loads(line[6:])["choices"][0]["text"]
+                                         for e in events for line in e.split("\n\n") if line.startswith("data: {")))
+                else:
+                    texts.append(json.loads(answer.body)["choices"][0]["text"])
+            engine.queue_limit = 0
+            full = await core.generate("completion", body)
+            stepper.cancel()
+            return texts, full.status_code
+        finally:
+            await core.close()
+
+    texts, status = run(scenario)
+    assert texts == ["t1 t2 t3 "] * 4
+    assert status == 429

@@ -1,0 +1,138 @@
+"""The adaptive speculation policy as a pure function of what it measured (cluster/engine/spec_policy.py):
+a simulated engine feeds it step and draft costs from a known cost model and acceptance from known
+per-position rates; its choices must be the ones that maximize tokens per second there."""
+
+from __future__ import annotations
+
+import random
+
+from shardserve.cluster.engine.spec_policy import AdaptivePolicy, Candidate, FixedPolicy, LinearFit, make_policy
+
+import pytest
+
+
+class Simulation:
+    """An engine whose plain step costs ``a + b * B`` s, whose verify step adds ``j + v`` per draft
+    token, and whose draft pass costs ``d0 + d1 * depth + d2 * chain rows + d3 * entries``; request
+    ``r`` accepts draft position ``j`` (given the earlier ones) with ``rates[r][j]``."""
+
+    def __init__(self, rates: list[list[float]], a=0.005, b=0.0002, j=0.0005, v=0.0003,
+                 d=(0.0005, 0.0008, 0.0001, 0.00002), seed: int = 0) -> None:
+        self.rates, self.a, self.b, self.j, self.v, self.d = rates, a, b, j, v, d
+        self.rng = random.Random(seed)
+
+    def run(self, policy, steps: int) -> tuple[float, int, list[list[int]]]:
+        """``(seconds, tokens, chosen depths per step)`` of ``steps`` steps."""
+        num = len(self.rates)
+        candidates = [Candidate(f"r{i}", 4) for i in range(num)]
+        depths, seconds, tokens, history = [0] * num, 0.0, 0, []
+        for _ in range(steps):
+            extra = sum(depths)
+            step = self.a + self.b * num + ((self.j + self.v * extra) if extra else 0.0)
+            policy.observe_step(num, num + extra, extra, False, step)
+            seconds += step
+            accepted = []
+            for i, depth in enumerate(depths):
+                count = 0
+                while count < depth and self.rng.random() < self.rates[i][count]:
+                    count += 1
+                if depth:
+                    policy.observe_acceptance(f"r{i}", depth, count)
+                accepted.append(count)
+            tokens += num + sum(accepted)
+            warm = policy.wants_hidden(num)
+            depths = policy.depths(candidates)
+            if warm:
+                depth = max(depths)
+                rows = sum(sum(1 for d in depths if d > s) for s in range(1, depth))
+                draft = self.d[0] + self.d[1] * depth + self.d[2] * rows + self.d[3] * (num + sum(accepted))
+                policy.observe_draft(depth, rows, num + sum(accepted), draft)
+                seconds += draft
+            else:
+                depths = [0] * num          # cold: no draft pass, so no drafts
+            history.append(depths)
+        return seconds, tokens, history
+
+
+def _best_fixed_rate(sim: Simulation, steps: int = 400) -> tuple[int, float]:
+    rates = {}
+    for depth in range(5):
+        seconds, tokens, _ = Simulation(sim.rates, sim.a, sim.b, sim.j, sim.v, sim.d).run(FixedPolicy(depth), steps)
+        rates[depth] = tokens / seconds
+    best = max(rates, key=rates.get)
+    return best, rates[best]
+
+
+def test_linear_fit_recovers_a_line():
+    fit = LinearFit([0.0, 0.0])
+    for x in range(1, 40):
+        fit.observe([1.0, float(x)], 0.002 + 0.0005 * x)
+    assert abs(fit.predict([1.0, 10.0]) - 0.007) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["batch 1, good acceptance", "batch 32, compute-bound", "no acceptance"])
+def test_adaptive_reaches_the_best_fixed_depth(case):
+    """Against every fixed depth 0..4 on the same simulated engine: the adaptive policy's rate is
+    within 10 % of the best one's (it pays for its exploration), and its late choices are that depth
+    (or a neighbour: two depths can be nearly equal), but for one plain step in 33 while drafting."""
+    sim = {"batch 1, good acceptance": Simulation([[0.8, 0.7, 0.6, 0.5]]),
+           "batch 32, compute-bound": Simulation([[0.6, 0.4, 0.3, 0.2]] * 32, b=0.002, v=0.002, d=(0.0005, 0.0008,
+                                                                                              0.002, 0.0004)),
+           "no acceptance": Simulation([[0.0] * 4] * 4)}[case]
+    best_depth, best_rate = _best_fixed_rate(sim)
+    seconds, tokens, history = sim.run(AdaptivePolicy(4), 400)
+    late = [max(depths) for depths in history[-100:]]
+    print(f"{case}: best fixed depth {best_depth} at {best_rate:.0f} tok/s; adaptive {tokens / seconds:.0f} tok/s, "
+          f"late depths {sorted(set(late))}")
+    assert tokens / seconds > 0.9 * best_rate
+    rechecks = late.count(0) if best_depth >= 2 else 0
+    assert rechecks <= 100 // 33 + 1 and (best_depth < 2 or rechecks >= 1)
+    assert all(abs(depth - best_depth) <= 1 for depth in late if depth or best_depth < 2)
+
+
+def test_requests_with_poor_acceptance_are_not_drafted():
+    """Two good requests and two hopeless ones in one batch: only the good ones draft."""
+    sim = Simulation([[0.9] * 4, [0.9] * 4, [0.0] * 4, [0.0] * 4])
+    _, _, history = sim.run(AdaptivePolicy(4), 300)
+    late = [depths for depths in history[-50:] if any(depths)]       # but the plain rechecks
+    assert len(late) >= 47 and all(depths[0] > 0 and depths[1] > 0 and depths[2] == depths[3] == 0 for depths in late)
+
+
+def test_a_slow_start_does_not_lock_drafting_in():
+    """The first plain steps measure 3x slow (a cold start), so drafting at this poor acceptance
+    looks better than the plain rate, while the best fixed depth is 0: the plain steps the policy
+    takes while drafting measure T(B) again, and it stops drafting (but for rare probes)."""
+    sim = Simulation([[0.3] * 4], j=0.003, v=0.002)
+    assert _best_fixed_rate(sim)[0] == 0
+    policy, calls = AdaptivePolicy(4), []
+    observe = policy.observe_step
+
+    def slow_start(num_seqs, num_tokens, num_drafts, has_prefill, seconds):
+        calls.append(seconds)
+        observe(num_seqs, num_tokens, num_drafts, has_prefill, seconds * (3 if len(calls) <= 3 else 1))
+
+    policy.observe_step = slow_start
+    _, _, history = sim.run(policy, 400)
+    assert any(history[10]) and sum(1 for depths in history[-100:] if any(depths)) <= 2
+
+
+def test_cold_policy_probes_again_and_follows_a_batch_that_shrinks():
+    """At batch 32 on a compute-bound engine drafting does not pay: the draft model goes cold
+    (exploring again now and then, ever more rarely). When the batch shrinks to 1 request, drafting
+    pays and the policy drafts again."""
+    rates = [[0.8, 0.7, 0.6, 0.5]]
+    big = Simulation(rates * 32, b=0.002, v=0.002, d=(0.0005, 0.0008, 0.002, 0.0004))
+    policy = AdaptivePolicy(4)
+    _, _, history = big.run(policy, 600)
+    drafted = [i for i, depths in enumerate(history) if any(depths)]
+    late = [i for i in drafted if i >= 100]
+    assert not policy.warm and 1 <= len(late) <= 6, f"probe steps after the first 100: {late}"
+    _, _, history = Simulation(rates).run(policy, 60)
+    assert all(any(depths) for depths in history[-20:])
+
+
+def test_make_policy():
+    assert make_policy("fixed", 3).depths([Candidate("a", 2), Candidate("b", 5)]) == [2, 3]
+    assert isinstance(make_policy("adaptive", 3), AdaptivePolicy)
+    with pytest.raises(ValueError, match="adaptive' or 'fixed"):
+        make_policy("greedy", 3)
