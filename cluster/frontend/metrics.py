@@ -181,7 +181,7 @@ class ServeMetrics:
             except KeyError:
                 pass
         self.worker_restarts.pop(label, None)
-        self.spec.replicas.pop(label, None)
+        self.spec_replicas.pop(label, None)
 
     def _set_placement(self, label: str, info: dict) -> None:
         """Info-style series of one replica; the ones of a previous placement are removed."""
