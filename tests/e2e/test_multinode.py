@@ -204,7 +204,7 @@ def chat(base: str, stream: bool = False, max_tokens: int = 16) -> str:
 
 def test_strict_spread_puts_coordinator_and_each_rank_on_its_own_node_with_gloo(cluster, app, smollm2_llm):
     actors = [a for a in cluster.ray_list("actors") if a["state"] == "ALIVE"]
-    (replica,) = [a for a in actors if "ModelReplica0" in a["class_name"]]
+    (replica,) = [a for a in actors if a["class_name"].endswith(":ModelReplica")]
     workers = sorted((a for a in actors if a["class_name"] == "ShardWorker"), key=lambda a: a["actor_id"])
     nodes = [replica["node_id"]] + [w["node_id"] for w in workers]
     assert len(workers) == 2 and len(set(nodes)) == 3, nodes
