@@ -282,3 +282,24 @@ def test_unknown_parser_names_are_one_line_listing_the_names(argv, names, capsys
 def test_agent_flags_are_checked_before_anything_loads(argv, message, nothing_loads, capsys):
     code, err = run_main(argv, capsys)
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--min-replicas", "2"], "min_replicas needs max_replicas"),
+    (["--max-replicas", "2", "--min-replicas", "3"], "need 1 <= min_replicas <= max_replicas"),
+    (["--max-replicas", "2", "--min-replicas", "0"], "no scale to zero"),
+    (["--max-replicas", "2", "-dp", "2"], "data_parallel_size 2 with max_replicas"),
+    (["--max-replicas", "2", "--target-ongoing-requests", "0"], "target_ongoing_requests must be > 0"),
+    (["--routing-load-margin", "-1"], "routing_load_margin must be >= 0"),
+])
+def test_scaling_and_routing_flags_are_checked_before_ray_starts(flags, message, nothing_loads, capsys):
+    """Issue 28's flags of ``serve`` (and ``manifest``): one line, exit code 2, nothing started;
+    argparse refuses a bad choice or port itself (usage, then one error line, exit code 2)."""
+    for command in ("serve", "manifest"):
+        code, err = run_main([command, "--model", "smollm2-135m-instruct"] + flags, capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, (command, err)
+    for bad, message in ((["--routing", "random"], "invalid choice: 'random'"),
+                         (["--grpc-port", "70000"], "a TCP port is in [0, 65535]")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["serve"] + bad)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

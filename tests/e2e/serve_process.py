@@ -49,19 +49,23 @@ class ServeProcess:
     """``shardserve serve MODEL *flags`` on free loopback ports until :meth:`stop`.
 
     Attributes:
-        base: ``http://127.0.0.1:PORT``. grpc_address: replica 0's gRPC ``host:port``.
+        base: ``http://127.0.0.1:PORT``. grpc_address: replica 0's own gRPC ``host:port``
+            (``--replica-grpc-port``: per-replica ModelInfo, workers, counters). grpc_endpoint: the
+            app's one gRPC endpoint (``--grpc-port``, the router's).
         metadata: gRPC metadata of ModelInfo calls (``admin_key``: with it, the prefix-cache counter).
     """
 
     def __init__(self, model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 400,
                  admin_key: str | None = None) -> None:
         self.metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else ()
-        http_port, grpc_port = free_port(), free_port()
-        self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        http_port, grpc_port, replica_port = free_port(), free_port(), free_port()
+        self.base, self.grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{replica_port}"
+        self.grpc_endpoint = f"127.0.0.1:{grpc_port}"
         self.log_path = log_path   # the server's stderr
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [str(BIN / "shardserve"), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port), *flags],
+            [str(BIN / "shardserve"), "serve", model, "--port", str(http_port), "--grpc-port", str(grpc_port),
+             "--replica-grpc-port", str(replica_port), *flags],
             env=subprocess_env(), stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
         self._lines: list[str] = []
         threading.Thread(target=lambda: self._lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()

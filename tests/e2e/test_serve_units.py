@@ -367,3 +367,35 @@ def test_a_client_that_leaves_is_not_an_error(caplog):
             assert sent[0]["status"] == 500
         else:
             assert sent == [] and "client disconnected during POST /v1/completions" in caplog.text
+
+
+def test_replica_count_autoscaling_options_and_the_default_routing():
+    """Issue 28: a fixed count or Serve's autoscaling_config (our policy on the replicas' own
+    load); prefix-aware routing by default once there can be two replicas."""
+    from types import SimpleNamespace
+
+    from shardserve.cluster.autoscaling import ONGOING_REQUESTS, POLICY_PATH, ongoing_requests_policy
+    from shardserve.cluster.serve_app import ServeArgs
+
+    fixed = ServeArgs.from_dict({"data_parallel_size": 3})
+    assert fixed.replica_count_options() == {"num_replicas": 3} and fixed.routing_policy().name == "prefix-aware"
+    assert ServeArgs.from_dict({}).routing_policy().name == "least-loaded"
+    scaled = ServeArgs.from_dict({"max_replicas": 4, "max_num_seqs": 16, "routing": "least-loaded"})
+    config = scaled.replica_count_options()["autoscaling_config"]
+    assert (config["min_replicas"], config["initial_replicas"], config["max_replicas"]) == (1, 1, 4)
+    assert config["target_ongoing_requests"] == 8 and config["policy"] == {"policy_function": POLICY_PATH}
+    assert scaled.routing_policy().name == "least-loaded" and scaled.max_num_replicas() == 4
+    assert "max_replicas" not in scaled.replica_args() and "routing" not in scaled.replica_args()
+
+    def ctx(loads, current=2, low=1, high=4):
+        return SimpleNamespace(aggregated_metrics={ONGOING_REQUESTS: dict(enumerate(loads))},
+                               current_num_replicas=current, target_num_replicas=current,
+                               capacity_adjusted_min_replicas=low, capacity_adjusted_max_replicas=high,
+                               config=SimpleNamespace(get_target_ongoing_requests=lambda: 8.0))
+
+    assert ongoing_requests_policy(ctx([8.0, 8.0]))[0] == 2      # at target
+    assert ongoing_requests_policy(ctx([12.0, 9.0]))[0] == 3     # 21 / 8 -> 3
+    assert ongoing_requests_policy(ctx([40.0, 40.0]))[0] == 4    # capped at max
+    assert ongoing_requests_policy(ctx([0.0, 0.0]))[0] == 1      # idle: down to min, never zero
+    assert ongoing_requests_policy(SimpleNamespace(aggregated_metrics={}, current_num_replicas=2,
+                                                   target_num_replicas=2))[0] == 2   # no load reported yet
