@@ -63,6 +63,7 @@ class Front:
     proc: subprocess.Popen
     port: int
     grpc_addresses: list[str]   # each replica's own gRPC server (direct access), from /admin/status
+    replica_ids: list[str]      # Serve's id of each of those replicas (the ``replica`` label of /metrics)
     grpc_endpoint: str          # the app's one gRPC endpoint (--grpc-port, the router's)
     cert: Path
     key_file: Path
@@ -123,9 +124,11 @@ def front(tmp_path_factory):
         conn.request("GET", "/admin/status", headers={"Authorization": f"Bearer {ADMIN}"})
         replicas = json.loads(conn.getresponse().read())["replicas"]
         conn.close()
-        addresses = sorted(r["address"] for r in replicas)
+        replicas.sort(key=lambda r: r["address"])
+        addresses = [r["address"] for r in replicas]
         assert len(addresses) == 2 and f"127.0.0.1:{grpc_port}" not in addresses, addresses
-        yield Front(proc, port, addresses, f"127.0.0.1:{grpc_port}", cert, key, context, logs, lines)
+        yield Front(proc, port, addresses, [r["id"] for r in replicas], f"127.0.0.1:{grpc_port}", cert, key, context,
+                    logs, lines)
     finally:
         stop_process_group(proc, signal.SIGINT, 60)
         log.close()
@@ -410,14 +413,16 @@ def test_a_full_replica_is_skipped_for_the_other_one_then_all_full_answers_429(f
     try:
         busy += fill(front, 0, channel)
         before = front.metrics()
-        body = json.dumps({"prompt": COUNT, "max_tokens": 4, "temperature": 0}).encode()
-        for _ in range(2):   # routing takes turns: at least one of these tries replica 0 first
+        for i in range(2):   # no prefix cached anywhere: routing takes turns, one of these tries replica 0 first
+            body = json.dumps({"prompt": f"Request {i} of the full-replica test. {COUNT}", "max_tokens": 4,
+                               "temperature": 0}).encode()
             status, _, raw = front.request("POST", "/v1/completions", {"Authorization": f"Bearer {KEY}"}, body)
             assert status == 200, raw
         after = front.metrics()
         delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-        assert delta['shardserve_requests_routed_total{replica="1"}'] == 2
-        assert delta.get('shardserve_queue_full_rejections_total{replica="0"}', 0) >= 1
+        full, other = front.replica_ids
+        assert delta[f'shardserve_requests_routed_total{{replica="{other}"}}'] == 2
+        assert delta.get(f'shardserve_queue_full_rejections_total{{replica="{full}"}}', 0) >= 1
     finally:
         for call in busy:
             call.cancel()
