@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -221,10 +222,11 @@ def test_strict_spread_puts_coordinator_and_each_rank_on_its_own_node_with_gloo(
     assert sorted(info.rank_nodes) == sorted(w["node_id"] for w in workers)
     with urllib.request.urlopen(app.base + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
-    assert 'shardserve_replica_nodes{replica="0"} 3.0' in metrics
+    assert re.search(r'^shardserve_replica_nodes\{replica="\w+"\} 3\.0$', metrics, re.M)
     assert f'collective="gloo",coordinator_node="{replica["node_id"]}"' in metrics
     for rank, (node, ip) in enumerate(zip(info.rank_nodes, info.rank_node_ips)):
-        assert f'shardserve_rank_node_info{{node_id="{node}",node_ip="{ip}",rank="{rank}",replica="0"}} 1.0' in metrics
+        assert re.search(rf'^shardserve_rank_node_info\{{node_id="{node}",node_ip="{re.escape(ip)}",rank="{rank}",'
+                         rf'replica="\w+"\}} 1\.0$', metrics, re.M)
     # greedy answers equal the single-node engine's (one process, no collective)
     client = openai.OpenAI(base_url=app.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     story = client.completions.create(model=MODEL, prompt=STORY, max_tokens=16, temperature=0).choices[0].text
