@@ -244,6 +244,9 @@ def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
             row sees them (attention sink, ik_llama.cpp's GLM-5.2 DSA port); they take the places
             of the lowest-ranked keys, so a row still keeps ``k`` keys. 0 = plain top-k.
 
+    Keys tied exactly at the boundary are kept lowest position first (:func:`_lowest_tied_positions`),
+    so a query's selection does not depend on how many rows its step scores at once.
+
     Returns:
         ``[T, topk]`` int32 key positions (with a sink: the sink positions first, ``-1`` where a
         row does not see them yet, then the best other keys); ``-1`` padding trails.
@@ -257,8 +260,38 @@ def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
     count = min(topk, width) - forced               # the best of the other columns fill the rest
     if count > 0:
         values, idx = logits[:, forced:].topk(count, dim=-1, sorted=True)
+        idx = _lowest_tied_positions(logits[:, forced:], values, idx)
         out[:, forced:forced + count] = torch.where(values == float("-inf"), -1, idx + forced).to(torch.int32)
     return out
+
+
+def _lowest_tied_positions(logits: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Break exact ties at the top-k boundary toward the lowest positions, whatever the layout.
+
+    ``torch.topk`` picks among equal values in an order that depends on the tensor's shape, so a
+    query scored as one row of a decode step and as a row of a multi-row verify or prefill chunk
+    could keep different keys with the same scores. Exact ties are common: a key that no indexer
+    head scores positively has logit exactly 0 (``relu``), and with few heads that is a sizeable
+    share of the keys. Every selected entry equal to the k-th value is replaced by the lowest
+    positions holding that value, in ascending order, so the selection is a function of the row's
+    values only (deterministic at any batch shape).
+
+    Args:
+        logits: ``[T, S]`` float32 row logits.
+        values, idx: ``logits.topk(count, sorted=True)``: ``[T, count]`` values (descending) and columns.
+
+    Returns:
+        ``[T, count]`` int64 columns: ``idx`` with the tied tail of each row replaced.
+    """
+    count, width = values.shape[1], logits.shape[1]
+    kth = values[:, -1:]                                                       # [T, 1]
+    num_above = (values > kth).sum(-1, keepdim=True)                           # strictly better: kept as they are
+    columns = torch.arange(width, device=logits.device)
+    tied = torch.where(logits == kth, columns, width)                          # [T, S]: tied columns, others past the end
+    lowest_tied = tied.topk(count, dim=-1, largest=False, sorted=True).values  # [T, count] ascending
+    # Entry j >= num_above of a row holds the k-th value: it takes the (j - num_above)-th lowest tied column.
+    tail = torch.arange(count, device=logits.device) - num_above               # [T, count]
+    return torch.where(tail >= 0, lowest_tied.gather(-1, tail.clamp(min=0)), idx)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
