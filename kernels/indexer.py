@@ -283,15 +283,15 @@ def _lowest_tied_positions(logits: torch.Tensor, values: torch.Tensor, idx: torc
     Returns:
         ``[T, count]`` int64 columns: ``idx`` with the tied tail of each row replaced.
     """
-    count, width = values.shape[1], logits.shape[1]
+    count = values.shape[1]
     kth = values[:, -1:]                                                       # [T, 1]
     num_above = (values > kth).sum(-1, keepdim=True)                           # strictly better: kept as they are
-    columns = torch.arange(width, device=logits.device)
-    tied = torch.where(logits == kth, columns, width)                          # [T, S]: tied columns, others past the end
-    lowest_tied = tied.topk(count, dim=-1, largest=False, sorted=True).values  # [T, count] ascending
-    # Entry j >= num_above of a row holds the k-th value: it takes the (j - num_above)-th lowest tied column.
+    tied_so_far = (logits == kth).cumsum(-1)                                   # [T, S] int64, non-decreasing
+    # Entry j >= num_above of a row holds the k-th value: it takes the (j - num_above + 1)-th tied
+    # column, the first column where the running count of tied columns reaches that number.
     tail = torch.arange(count, device=logits.device) - num_above               # [T, count]
-    return torch.where(tail >= 0, lowest_tied.gather(-1, tail.clamp(min=0)), idx)
+    nth_tied = torch.searchsorted(tied_so_far, tail.clamp(min=0) + 1)          # [T, count]
+    return torch.where(tail >= 0, nth_tied, idx)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
