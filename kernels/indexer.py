@@ -233,7 +233,7 @@ def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     return logits.masked_fill_(positions[None, :] > token_pos[:, None], float("-inf"))
 
 
-def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
+def select_topk(logits: torch.Tensor, topk: int, sink: int = 0, *, consume: bool = False) -> torch.Tensor:
     """Per-row top-k positions, best first, ``-1`` where a row has fewer than ``topk`` valid keys.
 
     Args:
@@ -243,6 +243,11 @@ def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
         sink: the first ``sink`` positions of each row's sequence are always selected where the
             row sees them (attention sink, ik_llama.cpp's GLM-5.2 DSA port); they take the places
             of the lowest-ranked keys, so a row still keeps ``k`` keys. 0 = plain top-k.
+        consume: ``logits`` may be overwritten (the tie-break's scratch: no second ``[T, S]``
+            tensor); :func:`indexer_topk` drops each chunk's logits after this call anyway.
+
+    Keys tied exactly at the boundary are kept lowest position first (:func:`_lowest_tied_positions`),
+    so a query's selection does not depend on how many rows its step scores at once.
 
     Returns:
         ``[T, topk]`` int32 key positions (with a sink: the sink positions first, ``-1`` where a
@@ -257,8 +262,42 @@ def select_topk(logits: torch.Tensor, topk: int, sink: int = 0) -> torch.Tensor:
     count = min(topk, width) - forced               # the best of the other columns fill the rest
     if count > 0:
         values, idx = logits[:, forced:].topk(count, dim=-1, sorted=True)
+        rest = logits[:, forced:] if consume else logits[:, forced:].clone()
+        idx = _lowest_tied_positions(rest, values, idx)
         out[:, forced:forced + count] = torch.where(values == float("-inf"), -1, idx + forced).to(torch.int32)
     return out
+
+
+def _lowest_tied_positions(scratch: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Break exact ties at the top-k boundary toward the lowest positions, whatever the layout.
+
+    ``torch.topk`` picks among equal values in an order that depends on the tensor's shape, so a
+    query scored as one row of a decode step and as a row of a multi-row verify or prefill chunk
+    could keep different keys with the same scores. Exact ties are common: a key that no indexer
+    head scores positively has logit exactly 0 (``relu``), and with few heads that is a sizeable
+    share of the keys. Every selected entry equal to the k-th value is replaced by the lowest
+    positions holding that value, in ascending order, so the selection is a function of the row's
+    values only (deterministic at any batch shape).
+
+    Args:
+        scratch: ``[T, S]`` float32 row logits, overwritten in place by the running count of the
+            columns tied with the row's k-th value (0/1 then a prefix sum: exact in float32 up to
+            2^24 columns), so the tie-break allocates nothing of the context's size.
+        values, idx: ``logits.topk(count, sorted=True)``: ``[T, count]`` values (descending) and columns.
+
+    Returns:
+        ``[T, count]`` int64 columns: ``idx`` with the tied tail of each row replaced.
+    """
+    count = values.shape[1]
+    kth = values[:, -1:]                                                       # [T, 1]
+    num_above = (values > kth).sum(-1, keepdim=True)                           # strictly better: kept as they are
+    tied_so_far = scratch.eq_(kth).cumsum_(-1)                                 # [T, S], non-decreasing
+    # Entry j >= num_above of a row holds the k-th value: it takes the (j - num_above + 1)-th tied
+    # column, the first column where the running count of tied columns reaches that number.
+    tail = torch.arange(count, device=scratch.device) - num_above              # [T, count]
+    wanted = (tail.clamp(min=0) + 1).to(scratch.dtype)
+    nth_tied = torch.searchsorted(tied_so_far if tied_so_far.is_contiguous() else tied_so_far.contiguous(), wanted)
+    return torch.where(tail >= 0, nth_tied, idx)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -325,6 +364,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
             logits = triton_rows(*args, q_scale=scales)
         else:
             logits = score_rows_ref(*args, chunk.segments, scales)
-        out[rows] = select_topk(logits, topk, sink)
+        out[rows] = select_topk(logits, topk, sink, consume=True)
         del logits                        # before the next chunk's: one chunk of logits alive at a time
     return out

@@ -175,6 +175,7 @@ def _indexer(indexer, shape: StepShape, hidden: int, d: int, top_k: int, triton:
     logits = max((c.end - c.start) * c.width for c in chunks)
     keep = min(top_k, s)
     topk = _n(rows, keep) * (4 + 8 + 1 + 8 * 3 + 4) + _n(rows, top_k) * 4
+    topk += _n(rows, keep) * (8 * 4 + 1)      # the tie-break (its running count overwrites the logits)
     if triton:
         return max(made, total + logits * (4 + 12) + topk)
     # Score tiles [rows of one sequence, H, keys] within a quarter of the workspace.

@@ -95,6 +95,9 @@ def test_select_topk_pads_rows_with_few_keys():
     assert select_topk(logits, 2).tolist() == [[0, -1], [1, 2], [-1, -1]]
     assert select_topk(logits, 5).tolist() == [[0, -1, -1, -1, -1], [1, 2, 0, -1, -1], [-1, -1, -1, -1, -1]]
     assert select_topk(logits[:, :0], 3).tolist() == [[-1] * 3] * 3
+    tied = torch.tensor([[0.0, 0.0, 3.0, 0.0, -1.0, 0.0, inf], [1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]])
+    assert select_topk(tied, 3).tolist() == [[2, 0, 1], [3, 0, 1]]           # exact ties: lowest positions
+    assert select_topk(tied, 3, sink=1).tolist() == [[0, 2, 1], [0, 3, 1]]
 
 
 def per_token_logits(q, weights, keys, seq_lens, query_lens, width) -> torch.Tensor:

@@ -109,3 +109,46 @@ def test_softmax_scale_yarn_mscale():
     assert mla_softmax_scale(Config()) == pytest.approx(192 ** -0.5 * mscale ** 2)
     Config.rope_parameters = {"rope_type": "default"}
     assert mla_softmax_scale(Config()) == pytest.approx(192 ** -0.5)
+
+
+
+def test_verify_rows_select_what_decode_steps_select(tiny_model):
+    """A query scored as a row of a 4-row verify chunk keeps the DSA top-k, and gets the logits, it
+    gets alone in a decode step over the same cache, also where keys tie exactly at the top-k
+    boundary: with 2 indexer heads left (the others' weights zeroed) a key that neither scores
+    positively has logit exactly 0 (``relu``), and ``torch.topk`` breaks such ties by the tensor's
+    shape. Before ties went to the lowest positions, verify rows kept other tied keys than decode
+    did, and MTP-verified greedy output left plain greedy decoding (issue 31)."""
+    from plan_driver import PlanDriver, make_runner, recorded_indexer_calls
+
+    from shardserve.kernels.indexer import indexer_scores_ref
+
+    runner = make_runner(tiny_model("deepseek_v32").path, block_size=4, num_blocks=48)
+    layers = [layer for layer in runner.model.attention_layers() if layer.indexer is not None]
+    for layer in layers:
+        layer.record_topk = True
+        with torch.no_grad():
+            layer.indexer.weights_proj.weight[2:] = 0.0
+    gen = torch.Generator().manual_seed(0)
+    prompt, tail = torch.randint(0, 128, (20,), generator=gen).tolist(), torch.randint(0, 128, (8,), generator=gen)
+    driver = PlanDriver(runner)
+    driver.step({"decode": prompt, "verify": prompt})
+    decode_topk, decode_logits = [], []
+    for token in tail.tolist():
+        decode_logits.append(driver.step({"decode": [token]})["decode"])
+        decode_topk.append(torch.stack([layer.last_topk[0] for layer in layers]))       # [layers, k]
+    verify_topk, verify_logits, tied_rows = [], [], 0
+    for chunk in tail.view(2, 4).tolist():                     # two verify steps of 1 + 3 drafts
+        with recorded_indexer_calls() as calls:
+            verify_logits.append(driver.step_all_rows({"verify": chunk})["verify"])
+        verify_topk += torch.stack([layer.last_topk for layer in layers], 1).unbind()  # 4 x [layers, k]
+        for (q, weights, k_cache, block_tables, seq_lens, top_k, *rest), _ in calls:
+            scores = indexer_scores_ref(q, weights, k_cache, block_tables, seq_lens, *rest)    # [4, S]
+            best = scores.topk(top_k).values                                            # [4, k]
+            tied_rows += int(((scores == best[:, -1:]).sum(-1) > (best == best[:, -1:]).sum(-1)).sum())
+    assert tied_rows, "no exact tie straddles the top-k boundary: the test checks nothing"
+    for row, (decode, verify) in enumerate(zip(decode_topk, verify_topk)):    # the same keys (order: float rounding)
+        assert torch.equal(decode.sort(-1).values, verify.sort(-1).values), (row, decode, verify)
+    decode_logits, verify_logits = torch.stack(decode_logits), torch.cat(verify_logits)
+    torch.testing.assert_close(verify_logits, decode_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(verify_logits.argmax(-1), decode_logits.argmax(-1))
