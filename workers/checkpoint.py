@@ -326,8 +326,8 @@ class GGUFCheckpoint(Checkpoint):
             except (ValueError, KeyError) as exc:
                 raise CheckpointError(f"{self.path}: tensor {entry.name!r} has GGUF type {entry.ggml_type}, "
                                       f"unknown to the gguf package ({exc})") from exc
-            if tensor._offset + tensor.nbytes > header.file_size:
-                raise CheckpointError(f"{self.path}: tensor {entry.name!r} ends at byte {tensor._offset + tensor.nbytes}, "
+            if entry.offset + tensor.nbytes > header.file_size:
+                raise CheckpointError(f"{self.path}: tensor {entry.name!r} ends at byte {entry.offset + tensor.nbytes}, "
                                       f"past the end of the file ({header.file_size} bytes); is it truncated?")
             hf_name = gguf_to_hf_name(self.arch, entry.name)
             if hf_name is not None:
