@@ -34,7 +34,7 @@ run: install
 
 # Everything but the `extended` tests (minutes each, partly covered by faster ones): what CI runs.
 test: install
-	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extended" --durations=60 $(PYTEST_ARGS)
 
 # Every test, the extended ones too (cold Inductor compiles of every family, the whole gpu_check dry run).
 test-all: install

@@ -27,8 +27,10 @@ keeps the best expected rate; drafting must beat the plain rate by 5 % (a misjud
 make decoding slower), and while it drafts, one step in 33 stays plain (the draft cache kept warm)
 so that ``T(B)`` is measured again: the plain rate is what drafting is compared with, and an early
 slow plain step would otherwise make drafting look better for good. Plain steps skip the draft model entirely ("cold": the MTP cache then
-misses those positions, which only weakens later drafts) unless drafting is within 10 % of the plain
-rate, when the draft keeps its cache warm for a switch. Costs that were never measured make the
+misses those positions, which only weakens later drafts) unless drafting's estimate reaches the plain
+rate (short of the 5 % margin), when the draft keeps its cache warm for a switch. A warm pass is not
+free (one MTP forward per step: 15 % of a batch-1 step of the demo model), so a policy that stayed
+warm further below the plain rate made decoding slower while drafting nothing (issue 31). Costs that were never measured make the
 policy try drafting at depth 1 for a step (exploration): first while it warms up, then again after
 64, 128, ... 1024 cold steps, or when the batch size moves to one it has not measured.
 """
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 MIN_OBSERVATIONS = 3         # measurements of a cost term before the policy trusts it
 PRIOR_STRENGTH = 4.0         # pseudo-trials of the pooled acceptance in a request's estimate
 POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates follow recent traffic
-WARM_MARGIN = 0.9            # stay warm while drafting's estimate reaches this share of the plain rate
+WARM_MARGIN = 1.0            # stay warm only while drafting's estimate reaches the plain rate (a warm pass costs)
 DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
 PLAIN_RECHECK = 32           # drafting steps between two warm plain steps that re-measure T(B)
 MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
