@@ -56,4 +56,5 @@ bench: install
 	$(PY) benchmarks/packed_accuracy.py
 	$(PY) benchmarks/profile_decode.py
 	$(PY) benchmarks/bench_serving.py
+	$(PY) benchmarks/bench_startup.py
 	$(PY) benchmarks/cpu_per_token.py

@@ -15,11 +15,15 @@ _BUILTIN_TEMPLATES = {"deepseek_v32": "deepseek_v32.jinja"}
 def load_tokenizer(files: ModelFiles):
     """The model's tokenizer: from the GGUF metadata, or the folder's tokenizer files. A checkpoint
     without a chat template whose format we know (DeepSeek-V3.2 ships ``encoding_dsv32.py``) gets
-    ours (``cluster/frontend/templates/``)."""
+    ours (``cluster/frontend/templates/``). A GGUF file's metadata is parsed at most once per
+    process for the config and the tokenizer together (:func:`workers.gguf_file.transformers_parses_once`)."""
     from transformers import AutoTokenizer
 
     if files.is_gguf:
-        return AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
+        from shardserve.workers.gguf_file import transformers_parses_once
+
+        with transformers_parses_once():
+            return AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(files.path))
     if not getattr(tokenizer, "chat_template", None):
         template = builtin_template(files.path / "config.json")

@@ -12,6 +12,7 @@ one, the tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from shardserve.workers.gguf_file import read_header
 from shardserve.workers.gguf_names import GGUF_TO_HF, gguf_to_hf_name
 from shardserve.workers.quantization import PACKED_GGUF_TYPES, decode_gguf
 
@@ -243,22 +245,38 @@ class GGUFTensor:
 
     Args:
         path: the ``.gguf`` file.
-        tensor: the ``gguf.GGUFReader`` entry (only its type, shape and offset are kept).
+        entry: its row of the file's tensor table (:class:`workers.gguf_file.GGUFTensorEntry`).
 
     Attributes:
         name / tensor_type / n_elements: as in ``gguf.ReaderTensor``.
         shape: GGUF dims, fastest first. torch_shape: the reverse (row-major torch shape).
+        nbytes: bytes of its data in the file.
+
+    Raises:
+        ValueError: its type is not a ``gguf.GGMLQuantizationType``.
     """
 
-    __slots__ = ("path", "name", "tensor_type", "shape", "torch_shape", "n_elements", "_offset", "_dtype",
-                 "_array_shape")
+    __slots__ = ("path", "name", "tensor_type", "shape", "torch_shape", "n_elements", "nbytes", "_offset",
+                 "_dtype", "_array_shape")
 
-    def __init__(self, path: Path, tensor) -> None:
-        self.path, self.name, self.tensor_type = path, tensor.name, tensor.tensor_type
-        self.shape = tuple(int(d) for d in tensor.shape.tolist())
+    def __init__(self, path: Path, entry) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        self.path, self.name, self.tensor_type = path, entry.name, GGMLQuantizationType(entry.ggml_type)
+        self.shape = tuple(int(d) for d in entry.dims)
         self.torch_shape = tuple(reversed(self.shape))
-        self.n_elements = int(tensor.n_elements)
-        self._offset, self._dtype, self._array_shape = tensor.data_offset, tensor.data.dtype, tensor.data.shape
+        self.n_elements = math.prod(self.shape)
+        block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        self.nbytes = self.n_elements * type_size // block_size
+        self._offset = entry.offset
+        # the layout gguf.GGUFReader gives: plain types as typed arrays, blocks as uint8 rows
+        plain = _PLAIN_GGUF_TYPES.get(self.tensor_type.name)
+        if plain is not None:
+            self._dtype, self._array_shape = np.dtype(plain), self.torch_shape
+        else:
+            self._dtype = np.dtype(np.uint8)
+            self._array_shape = tuple(quant_shape_to_byte_shape(self.torch_shape, self.tensor_type))
 
     def data(self) -> np.ndarray:
         """The tensor as stored, in ``GGUFReader``'s layout (blocks as uint8 rows for quantized
@@ -268,7 +286,8 @@ class GGUFTensor:
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A GGUF file read with the ``gguf`` package; tensors are dequantized to float32 on read.
+    """A GGUF file: its header read once per process (:func:`workers.gguf_file.read_header`), its
+    tensors dequantized to float32 on read by the ``gguf`` package.
 
     llama.cpp's converter permutes the rows of Llama's Q and K projections (interleaved RoPE
     layout); reading ``q_proj``/``k_proj`` undoes that permutation so tensors match the HF
@@ -279,39 +298,41 @@ class GGUFCheckpoint(Checkpoint):
         num_heads / num_kv_heads: head counts, needed to undo the Q/K permutation.
 
     Raises:
-        CheckpointError: the file is missing, truncated or not GGUF; a tensor's quantization
-            type has no dequantizer in the ``gguf`` package (raised when that tensor is read).
+        CheckpointError: the file is missing, truncated (a header cut short, or a tensor's data
+            past the end of the file) or not GGUF; a tensor's quantization type has no
+            dequantizer in the ``gguf`` package (raised when that tensor is read).
     """
 
     def __init__(self, path: str | os.PathLike, num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: missing file")
         try:
-            reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:
+            # the header alone (workers/gguf_file.py), once per file and process: gguf.GGUFReader
+            # would decode every metadata element, the vocabulary included (seconds per parse)
+            header = read_header(self.path)
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: cannot parse GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from exc
-
-        def metadata(key: str, default=None):
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
-
-        self.arch = metadata("general.architecture")
+        metadata = header.metadata
+        self.arch = metadata.get("general.architecture")
         if self.arch not in GGUF_TO_HF:
             raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported (known: {sorted(GGUF_TO_HF)})")
-        self.num_heads = num_heads or metadata(f"{self.arch}.attention.head_count")
-        self.num_kv_heads = num_kv_heads or metadata(f"{self.arch}.attention.head_count_kv", self.num_heads)
+        self.num_heads = num_heads or metadata.get(f"{self.arch}.attention.head_count")
+        self.num_kv_heads = num_kv_heads or metadata.get(f"{self.arch}.attention.head_count_kv", self.num_heads)
         self._tensors: dict[str, GGUFTensor] = {}
-        for tensor in reader.tensors:
-            hf_name = gguf_to_hf_name(self.arch, tensor.name)
+        for entry in header.tensors:
+            try:
+                tensor = GGUFTensor(self.path, entry)
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{self.path}: tensor {entry.name!r} has GGUF type {entry.ggml_type}, "
+                                      f"unknown to the gguf package ({exc})") from exc
+            if entry.offset + tensor.nbytes > header.file_size:
+                raise CheckpointError(f"{self.path}: tensor {entry.name!r} ends at byte {entry.offset + tensor.nbytes}, "
+                                      f"past the end of the file ({header.file_size} bytes); is it truncated?")
+            hf_name = gguf_to_hf_name(self.arch, entry.name)
             if hf_name is not None:
-                self._tensors[hf_name] = GGUFTensor(self.path, tensor)
+                self._tensors[hf_name] = tensor
         self.tied_embeddings = "lm_head.weight" not in self._tensors
-        # The reader is dropped here: its metadata (the tokenizer's vocabulary and merges, one numpy
-        # array per string) took 140 MiB on SmolLM2, and its memory map of the whole file kept every
-        # page a load touched resident (93 MiB) for the life of the rank.
 
     def matrix_types(self) -> dict[str, int]:
         """Elements of the file's 2-D weights per GGUF type name (``{"Q4_1": 106168320, ...}``)."""

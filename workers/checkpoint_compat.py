@@ -90,7 +90,7 @@ class CheckpointManifest:
 
 def check_complete(path: str | Path) -> None:
     """Check that every safetensors file under ``path`` holds all the bytes its header promises
-    (a GGUF file is checked by parsing it).
+    (a GGUF file is checked by reading its header and tensor table).
 
     Raises:
         CheckpointError: a file is missing, its header is unreadable, or it is truncated (naming
@@ -98,7 +98,7 @@ def check_complete(path: str | Path) -> None:
     """
     path = Path(path)
     if path.suffix == ".gguf":
-        open_checkpoint(path)    # the gguf reader maps every tensor; a short file fails here
+        open_checkpoint(path)    # its header reader checks every tensor's bytes lie in the file
         return
     index = path / "model.safetensors.index.json"
     if index.is_file():

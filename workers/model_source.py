@@ -151,9 +151,14 @@ def model_context_length(hf_config) -> int:
 
 
 def load_config(files: ModelFiles):
-    """The transformers config of the model (parsed from GGUF metadata for ``.gguf`` files)."""
+    """The transformers config of the model (parsed from GGUF metadata for ``.gguf`` files, once
+    per file and process: :func:`workers.gguf_file.transformers_parses_once`). A new object on
+    every call: callers set their switches on it (``EngineArgs.model_config``)."""
     from transformers import AutoConfig
 
     if files.is_gguf:
-        return AutoConfig.from_pretrained(str(files.folder), gguf_file=files.path.name)
+        from shardserve.workers.gguf_file import transformers_parses_once
+
+        with transformers_parses_once():
+            return AutoConfig.from_pretrained(str(files.folder), gguf_file=files.path.name)
     return AutoConfig.from_pretrained(str(files.path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -201,3 +202,47 @@ def test_gguf_keeps_no_file_mapped_after_loading(tmp_path):
     expected = torch.from_numpy(tiny_llama_tensors()["blk.0.ffn_up.weight"])
     torch.testing.assert_close(model.model.layers[0].mlp.gate_up_proj.weight[TINY["intermediate_size"]:], expected,
                                rtol=0, atol=0)
+
+
+def test_gguf_metadata_is_parsed_once_per_process_and_file(tmp_path, monkeypatch):
+    """Config, tokenizer and checkpoint of one GGUF file cost one full metadata parse
+    (``gguf.GGUFReader``, through transformers' conversion) per process, and equal what transformers
+    loads with ``gguf_file=``; a file changed on disk is read again."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from shardserve.cluster.tokenizer import load_tokenizer
+    from shardserve.workers.model_source import ModelFiles, load_config
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"abcdefghijklmnopqrstuvwxyzĠ", "hi", "Ġh", "Ġhi"]
+    path = tmp_path / "tiny.gguf"
+
+    def write(rms_eps: float) -> None:
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_context_length(64), writer.add_embedding_length(32), writer.add_feed_forward_length(48)
+        writer.add_block_count(1), writer.add_head_count(4), writer.add_head_count_kv(2)
+        writer.add_rope_freq_base(10000.0), writer.add_layer_norm_rms_eps(rms_eps)
+        writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("smollm"), writer.add_token_list(tokens)
+        writer.add_token_merges(["h i", "Ġ h", "Ġh i"]), writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+        writer.add_bos_token_id(1), writer.add_eos_token_id(2), writer.add_unk_token_id(0)
+        writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+    write(1e-5)
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: parses.append(args) or reader(*args, **kwargs))
+    files = ModelFiles("tiny", path)
+    config, tokenizer = load_config(files), load_tokenizer(files)
+    config.shardserve_switch = True   # callers set switches on their copy
+    again = load_config(files)
+    ckpt = GGUFCheckpoint(path)
+    assert len(parses) == 1, f"{len(parses)} full parses of one file"
+    assert not hasattr(again, "shardserve_switch") and ckpt.num_heads == 4 and ckpt.tied_embeddings
+    oracle_config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    oracle_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert again.to_dict() == oracle_config.to_dict()
+    assert type(tokenizer) is type(oracle_tokenizer) and tokenizer.eos_token == oracle_tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer("hi hi")["input_ids"] == oracle_tokenizer("hi hi")["input_ids"] == [30, 29, 30]
+    write(1e-3)   # replaced on disk (a new size or mtime): read again
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert load_config(files).rms_norm_eps == pytest.approx(1e-3)
