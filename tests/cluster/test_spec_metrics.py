@@ -24,8 +24,8 @@ def test_spec_counters_per_replica():
     speculating = pb.ModelInfoResponse(model="m", num_running=3, num_blocks=64, num_free_blocks=60, **stats.as_dict())
     plain = pb.ModelInfoResponse(model="m", num_running=1, num_blocks=64, num_free_blocks=64)
     metrics = ServeMetrics()
-    metrics.set_replica(0, True, 10, replica_info(speculating))
-    metrics.set_replica(1, True, 0, replica_info(plain))
+    metrics.set_replica("0", True, 10, replica_info(speculating))
+    metrics.set_replica("1", True, 0, replica_info(plain))
     samples = _samples(metrics)
     zero, one = (("replica", "0"),), (("replica", "1"),)
     assert samples["shardserve_spec_drafts_total", zero] == 4
