@@ -52,6 +52,15 @@ class EngineArgs:
         enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
         compile: ``off``, ``auto`` (where it was measured to pay: CPU ranks) or ``on``: the forward
             through ``torch.compile``, kernels cached under ``$SHARDSERVE_CACHE`` (``workers/compilation.py``).
+        enable_dp_attention: data-parallel attention inside the replica (SGLang's name; issue 29): the
+            ``tensor_parallel_size`` ranks form ``attention_dp_size`` attention groups, each running MLA and
+            the DSA indexer over its own requests with its own KV and indexer caches, while the MoE experts
+            are partitioned over all ranks (expert parallel). MLA + MoE models only.
+        attention_dp_size: attention groups ``D`` (divides ``tensor_parallel_size``; each group is
+            ``tensor_parallel_size / D`` tensor-parallel ranks); None = ``tensor_parallel_size``.
+        moe_a2a: how MoE layers exchange tokens between attention groups under DP attention:
+            ``allgather`` (all-gather the step's hidden states, reduce-scatter the outputs) or
+            ``alltoall`` (each token goes only to the ranks holding its chosen experts).
         recovery_timeout: seconds a replica may take to repair a dead shard / draft worker in place
             (new actors in the same bundles; 0 = no in-place repair: the replica fails and Serve
             replaces it).
@@ -81,6 +90,9 @@ class EngineArgs:
     recovery_timeout: float = 300.0
     quantization: str = "none"
     compile: str = "off"
+    enable_dp_attention: bool = False
+    attention_dp_size: int | None = None
+    moe_a2a: str = "allgather"
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among

@@ -64,6 +64,9 @@ class RunnerConfig:
     draft_on_device: bool = False        # this rank also holds the MTP draft (counted in its plan)
     compile: str = "off"                 # "off", "auto" (where it pays: CPU ranks) or "on": torch.compile'd
                                          # forward (workers/compilation.py)
+    attention_dp_size: int = 1           # attention groups of the replica (issue 29; 1 = plain TP): rank r is in
+                                         # group r // (tp_size / attention_dp_size); MoE experts span every rank
+    moe_a2a: str = "allgather"           # MoE token exchange across groups: "allgather" or "alltoall"
 
 
 def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
