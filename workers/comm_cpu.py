@@ -45,6 +45,12 @@ class GlooGroup(TensorParallelGroup):
         dist.all_gather(parts, tensor)
         return parts
 
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        # gloo has no reduce_scatter: all-reduce the whole buffer, keep this rank's part
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor[self.tp_rank]
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -130,6 +136,15 @@ class SharedMemoryGroup(TensorParallelGroup):
 
     def _all_gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [part.clone().to(tensor.dtype) for part in self._exchange(tensor.float())]
+
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank publishes its whole ``[tp_size, ...]`` buffer; each sums only its own part,
+        in rank order (1/tp_size of an all-reduce's additions)."""
+        parts = self._exchange(tensor.float())
+        out = parts[0][self.tp_rank].clone()
+        for part in parts[1:]:
+            out += part[self.tp_rank]
+        return out.to(tensor.dtype)
 
     def close(self) -> None:
         if self._shm is not None:

@@ -82,6 +82,13 @@ class CupyNcclGroup(TensorParallelGroup):
                             self._stream(tensor))
         return list(out.unbind(0))
 
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``ncclReduceScatter`` (sum) of ``tensor [tp_size, ...]``; this rank's part ``[...]``."""
+        out = torch.empty(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+        self.comm.reduceScatter(tensor.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(tensor.dtype), _NCCL_SUM,
+                                self._stream(tensor))
+        return out
+
     def close(self) -> None:
         comm, self.comm = getattr(self, "comm", None), None
         if comm is not None:

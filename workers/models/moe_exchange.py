@@ -1,0 +1,76 @@
+"""MoE token exchange between attention groups (data-parallel attention, issue 29).
+
+With ``--enable-dp-attention`` the replica's N ranks form D attention groups of G = N / D ranks
+(``workers/distributed.py: attention_group_layout``). Each group runs attention, the dense MLPs, the
+shared experts and the LM head over its *own* requests as a plain G-way TP group; only the routed
+experts are split over all N ranks (expert parallel, whole experts). So in a MoE layer a group's
+tokens must reach the ranks holding their experts, and the results must come back:
+
+``allgather`` (the baseline; SGLang's DP-attention gather/scatter):
+    1. all-gather every group's hidden states ``[T_g, H]`` over the N ranks, padded to
+       ``max_g T_g`` rows (the counts come from the step's plans on the host: no device read-back);
+    2. every rank routes all ``sum_g T_g`` tokens (the router is replicated and every rank sees the
+       same rows, so the choice agrees everywhere) and runs its own experts over them;
+    3. reduce-scatter (sum) a ``[N, max_g T_g, H]`` buffer whose part r holds this rank's expert
+       output for the tokens of rank r's group (plus, for the ranks of its own group, its slice of
+       the shared experts): every rank gets its group's finished MoE output in one collective.
+
+``alltoall`` (DeepEP's dispatch/combine idea): see :func:`alltoall_moe`.
+
+A group with nothing to do in a step (an empty plan) still joins every exchange with zero rows,
+layer by layer (:meth:`workers.models.deepseek_v32.DeepseekModel.idle_forward`), so the collectives
+stay in step.
+
+On CUDA neither exchange is captured in a decode graph: the token counts change every step, so
+under data-parallel attention decode runs eagerly (``ModelRunner.graph_backend`` is None), as does
+the forward without ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.workers.distributed import get_expert_group, get_tp_group
+
+
+def group_offsets(counts: list[int]) -> list[int]:
+    """``[0, c0, c0 + c1, ...]``: where each group's tokens start in the gathered rows."""
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    return offsets
+
+
+def allgather_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The MoE layer ``moe`` (:class:`workers.models.moe.DeepseekMoE`) over this group's tokens,
+    exchanging them with the other groups by all-gather + reduce-scatter (module docstring).
+
+    Args:
+        moe: the layer (``gate``, ``experts`` over this rank's global expert range, optional
+            ``shared_experts`` split over the attention group).
+        hidden: ``[T_g, H]`` this group's post-attention normed hidden states (the same on each of
+            the group's ranks).
+        counts: ``[D]`` tokens of every group this step (host ints; ``counts[group] == T_g``).
+
+    Returns:
+        ``[T_g, H]`` the MoE output (routed + shared), already summed over every rank.
+    """
+    tp, ep = get_tp_group(), get_expert_group()
+    size = tp.tp_size
+    mine, num_groups = ep.tp_rank // size, ep.tp_size // size
+    assert len(counts) == num_groups and counts[mine] == hidden.shape[0], \
+        f"group {mine} has {hidden.shape[0]} tokens, step counts {counts}"
+    width, rows = hidden.shape[1], max(counts)
+    padded = hidden.new_zeros(rows, width)
+    padded[:hidden.shape[0]] = hidden
+    parts = ep.all_gather_equal(padded)                  # N x [rows, H]; a group's G ranks send the same rows
+    tokens = torch.cat([parts[g * size][:counts[g]] for g in range(num_groups)])   # [sum T, H]
+    weights, expert_ids = moe.gate(tokens)
+    routed = moe.experts(tokens, weights, expert_ids)    # [sum T, H] this rank's experts only
+    offsets = group_offsets(counts)
+    buffer = hidden.new_zeros(ep.tp_size, rows, width)   # part r: rows of rank r's group
+    for g in range(num_groups):
+        buffer[g * size:(g + 1) * size, :counts[g]] = routed[offsets[g]:offsets[g + 1]]
+    if moe.shared_experts is not None:                   # this rank's slice of its own group's shared experts
+        buffer[mine * size:(mine + 1) * size, :hidden.shape[0]] += moe.shared_experts(hidden)
+    return ep.reduce_scatter(buffer)[:hidden.shape[0]]
