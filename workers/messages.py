@@ -132,6 +132,24 @@ class StepResult:
     collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s
 
 
+@dataclass(slots=True)
+class DataParallelResult:
+    """The answer to a :class:`DataParallelPlan`: each attention group's first rank's
+    :class:`StepResult`, in group order (an idle group's has no samples)."""
+
+    results: list[StepResult] = field(default_factory=list)
+
+    @property
+    def execute_s(self) -> float:
+        """The slowest group's time inside execute (s): the groups wait for each other in the MoE."""
+        return max((r.execute_s for r in self.results), default=0.0)
+
+    @property
+    def collective_s(self) -> float:
+        """The largest of the groups' times inside collectives (s)."""
+        return max((r.collective_s for r in self.results), default=0.0)
+
+
 # -- draft model (MTP) boundary: coordinator -> DraftWorker ------------------------------------
 
 @dataclass(slots=True)

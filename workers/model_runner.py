@@ -539,6 +539,8 @@ class ModelRunner:
         if get_tp_group().tp_rank != 0:
             return None
         plan = self.own_plan(plan)
+        if not plan.scheduled:   # an idle attention group (data-parallel attention): nothing sampled
+            return StepResult()
         hidden = self.last_hidden_states
         if hidden is not None and self.draft_buffers is not None:
             # the draft reads them there; queued before the sampler's read-back, so done when this returns
