@@ -37,7 +37,7 @@ class TensorParallelGroup:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ("all_reduce", "_all_gather_equal", "_reduce_scatter_equal"):
+        for name in ("all_reduce", "_all_gather_equal", "_reduce_scatter_equal", "_all_to_all"):
             if name in cls.__dict__:
                 setattr(cls, name, _timed(cls.__dict__[name]))
 
@@ -66,6 +66,25 @@ class TensorParallelGroup:
         assert tensor.shape[0] == self.tp_size, f"reduce_scatter of {tuple(tensor.shape)} over {self.tp_size} ranks"
         return tensor[0] if self.tp_size == 1 else self._reduce_scatter_equal(tensor.contiguous())
 
+    def all_to_all(self, send: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Personalized exchange of rows: ``send [sum_d counts[me][d], ...]`` holds the rows for rank
+        0, then rank 1, ... (``counts[s][d]``: rows rank s sends rank d, known on every rank).
+        Returns ``[sum_s counts[s][me], ...]``: the rows every rank sent this one, in rank order
+        (MPI's ``MPI_Alltoallv``)."""
+        assert send.shape[0] == sum(counts[self.tp_rank]), \
+            f"rank {self.tp_rank} sends {send.shape[0]} rows, counts say {counts[self.tp_rank]}"
+        return send if self.tp_size == 1 else self._all_to_all(send.contiguous(), counts)
+
+    def _all_to_all(self, send: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Generic all-to-all through the equal all-gather (every rank receives every row; backends
+        with a real exchange override it)."""
+        width = max(sum(row) for row in counts)
+        padded = send.new_zeros(width, *send.shape[1:])
+        padded[:send.shape[0]] = send
+        parts = self._all_gather_equal(padded)
+        me = self.tp_rank
+        return torch.cat([part[sum(row[:me]):sum(row[:me + 1])] for part, row in zip(parts, counts)])
+
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate each rank's ``tensor`` along the last dim; rank r contributes ``sizes[r]``
         columns (uneven splits allowed). Returns ``[..., sum(sizes)]`` on every rank.
@@ -91,10 +110,10 @@ def _timed(method):
     import time
 
     @functools.wraps(method)
-    def wrapper(self, tensor):
+    def wrapper(self, *args):
         start = time.perf_counter()
         try:
-            return method(self, tensor)
+            return method(self, *args)
         finally:
             self.collective_s += time.perf_counter() - start
 

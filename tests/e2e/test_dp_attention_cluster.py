@@ -80,5 +80,15 @@ def test_dp_attention_cluster_greedy_equals_transformers(dsa_checkpoint, ray_clu
         # gives every rank of a plain TP replica, the count its coordinator takes)
         assert info["num_blocks"] * info["block_size"] == info["kv_capacity_tokens"] == 2 * plain_tp_kv_tokens(folder)
         assert info["attention_dp_size"] == 2
+        # ... and /metrics exports it (the front's gauges, from the ModelInfo proto the router reads)
+        from shardserve.cluster.frontend.metrics import ServeMetrics, replica_info
+        from shardserve.proto import inference_pb2 as pb
+
+        metrics = ServeMetrics()
+        fields = pb.ModelInfoResponse.DESCRIPTOR.fields_by_name
+        proto_info = pb.ModelInfoResponse(**{k: v for k, v in info.items() if k in fields and k != "workers"})
+        metrics.set_replica("0", True, 0, replica_info(proto_info))
+        text = metrics.render().decode()
+        assert f'shardserve_kv_cache_capacity_tokens{{replica="0"}} {float(info["kv_capacity_tokens"])}' in text
     finally:
         replicas.stop(handle)

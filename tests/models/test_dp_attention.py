@@ -1,12 +1,12 @@
 """Data-parallel attention at the worker level (issue 29): two CPU processes, one attention group
 each (D = N = 2, G = 1), every routed expert on one of them, the MoE exchanging tokens through the
-shared-memory collectives. Each group runs its own requests (a chunked prefill, a group idle in
-some steps, concurrent decodes); every logits row equals transformers' on the same checkpoint.
+shared-memory collectives, both ``--moe-a2a`` modes, for DeepSeek-V3.2, GLM-5 (IndexShare) and
+DeepSeek-V3. Each group runs its own requests (a chunked prefill, a group idle in some steps,
+concurrent decodes); every logits row equals transformers' on the same checkpoint.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from procs import run_ranks
 
@@ -51,31 +51,43 @@ def run_script(runner) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def _worker(rank: int, name: str, path: str, moe_a2a: str, out_path: str) -> None:
+JOBS = [(arch, mode) for arch in ("deepseek_v32", "glm_moe_dsa", "deepseek_v3") for mode in ("allgather", "alltoall")]
+
+
+def _worker(rank: int, name: str, paths: dict[str, str], out_path: str) -> None:
     torch.set_num_threads(1)
     experts = SharedMemoryGroup(rank, 2, name, MAX_FLOATS, timeout_s=120)
     try:
         set_tp_group(TensorParallelGroup(), experts)    # G = 1: the attention group is the rank itself
-        runner = make_runner(path, attention_dp_size=2, moe_a2a=moe_a2a)
-        moe = next(layer.mlp for layer in runner.model.model.layers if hasattr(layer.mlp, "experts"))
-        logits = run_script(runner)
-        torch.save({"logits": logits, "experts": (moe.experts.first, moe.experts.count),
-                    "heads": runner.model.attention_layers()[0].num_heads}, f"{out_path}.{rank}")
+        out = {}
+        for arch, mode in JOBS:
+            runner = make_runner(paths[arch], attention_dp_size=2, moe_a2a=mode)
+            moe = next(layer.mlp for layer in runner.model.model.layers if hasattr(layer.mlp, "experts"))
+            out[arch, mode] = {"logits": run_script(runner), "experts": (moe.experts.first, moe.experts.count),
+                               "heads": runner.model.attention_layers()[0].num_heads}
+        torch.save(out, f"{out_path}.{rank}")
     finally:
         set_tp_group(TensorParallelGroup())
         experts.close()
 
 
-@pytest.mark.parametrize("moe_a2a", ["allgather"])
-def test_dp2_worker_logits_match_transformers(tiny_model, tmp_path, moe_a2a):
-    model = tiny_model("deepseek_v32")
+def test_dp2_worker_logits_match_transformers(tiny_model, tmp_path):
+    paths = {arch: str(tiny_model(arch).path) for arch, _ in JOBS}
     segment = SharedMemorySegment(2, MAX_FLOATS)
     out_path = tmp_path / "dp2.pt"
     try:
-        run_ranks(_worker, (segment.name, str(model.path), moe_a2a, str(out_path)), nprocs=2, timeout_s=TIMEOUT_S)
+        run_ranks(_worker, (segment.name, paths, str(out_path)), nprocs=2, timeout_s=TIMEOUT_S)
     finally:
         segment.close()
     ranks = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
+    for arch, mode in JOBS:
+        worst = check_against_transformers(tiny_model(arch).hf, [r[arch, mode] for r in ranks])
+        print(f"{arch} D=2 {mode}: max |logits - transformers| = {worst:.2e}")
+        assert worst < 1e-4, (arch, mode, worst)
+
+
+def check_against_transformers(hf, ranks: list[dict]) -> float:
+    """Each group's rows against transformers' teacher-forced logits; the largest difference."""
     assert [r["experts"] for r in ranks] == [(0, 4), (4, 4)]   # routed experts split over both ranks
     assert [r["heads"] for r in ranks] == [4, 4]               # attention replicated (G = 1)
     worst = 0.0
@@ -85,9 +97,8 @@ def test_dp2_worker_logits_match_transformers(tiny_model, tmp_path, moe_a2a):
             prompt = PROMPTS[req]
             first = [5] if req == "a" else []                                # "a": its first chunk's last row
             generated = rows[len(first):].argmax(-1).tolist()
-            reference = hf_logits(model.hf, prompt + generated[:-1])          # teacher forcing
+            reference = hf_logits(hf, prompt + generated[:-1])                # teacher forcing
             expected = reference[first + list(range(len(prompt) - 1, len(prompt) + len(generated) - 1))]
             assert rows.shape == expected.shape, (req, rows.shape, expected.shape)
             worst = max(worst, (rows - expected).abs().max().item())
-    print(f"D=2 {moe_a2a}: max |logits - transformers| = {worst:.2e}")
-    assert worst < 1e-4
+    return worst

@@ -74,3 +74,66 @@ def allgather_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if moe.shared_experts is not None:                   # this rank's slice of its own group's shared experts
         buffer[mine * size:(mine + 1) * size, :hidden.shape[0]] += moe.shared_experts(hidden)
     return ep.reduce_scatter(buffer)[:hidden.shape[0]]
+
+
+def expert_owners(num_experts: int, num_ranks: int, device: torch.device) -> torch.Tensor:
+    """``[num_experts]`` int64: the expert-group rank holding each routed expert (the even whole-
+    expert split of :func:`workers.partition.split_units`, as the model is built)."""
+    from shardserve.workers.partition import split_units
+
+    owners = torch.empty(num_experts, dtype=torch.int64)
+    for rank, (start, count) in enumerate(split_units(num_experts, num_ranks)):
+        owners[start:start + count] = rank
+    return owners.to(device)
+
+
+def alltoall_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The MoE layer ``moe`` over this group's tokens, each token sent only to the ranks holding
+    its chosen experts (DeepEP's dispatch / combine, without its kernels):
+
+    1. the group's tokens are shared out among its G ranks (rank l of the group takes rows
+       ``l, l + G, ...``) and each rank routes its share;
+    2. dispatch: for every destination rank, the tokens with at least one chosen expert there
+       (with their top-k ids and weights); the per-destination row counts are all-gathered first
+       (a host read: the receive sizes), then one all-to-all moves the rows;
+    3. each rank runs its experts over what it received (weighted by the routing weights; ids of
+       other ranks' experts contribute nothing);
+    4. combine: the outputs go back the same way (the transposed counts) and each token's
+       contributions are summed; the shared experts' slice is added and, for G > 1, the group
+       all-reduces (its ranks hold disjoint token shares and partial shared sums).
+
+    Args / returns: as :func:`allgather_moe` (``counts`` only checks this group's size: the
+    exchange sizes come from the routing).
+
+    NOTE: the counts exchange reads the device (``tolist``), so on CUDA this path cannot be
+    captured in a graph; under data-parallel attention decode runs eagerly anyway. Payloads are
+    float32 (ids ride along exactly, below 2**24).
+    """
+    tp, ep = get_tp_group(), get_expert_group()
+    size, local, num_ranks = tp.tp_size, tp.tp_rank, ep.tp_size
+    num_tokens, width = hidden.shape
+    assert counts[ep.tp_rank // size] == num_tokens, f"group has {num_tokens} tokens, step counts {counts}"
+    rows = torch.arange(local, num_tokens, size, device=hidden.device)   # this rank's share
+    share = hidden[rows]                                                  # [T_l, H]
+    weights, expert_ids = moe.gate(share)                                 # [T_l, k] float32, int64
+    owners = getattr(moe, "_owners", None)
+    if owners is None or owners.device != hidden.device:
+        owners = moe._owners = expert_owners(moe.gate.num_experts, num_ranks, hidden.device)
+    goes_to = torch.zeros(share.shape[0], num_ranks, dtype=torch.bool, device=hidden.device)
+    goes_to.scatter_(1, owners[expert_ids], True)                         # token -> destinations
+    dest, token = goes_to.t().nonzero(as_tuple=True)                      # sorted by destination, then token
+    sent = torch.bincount(dest, minlength=num_ranks).float()
+    matrix = [[int(c) for c in row.tolist()] for row in ep.all_gather_equal(sent)]   # [N][N] host ints
+    top_k = expert_ids.shape[1]
+    payload = torch.cat([share[token].float(), weights[token], expert_ids[token].float()], dim=1)   # [S, H + 2k]
+    received = ep.all_to_all(payload, matrix)                             # [R, H + 2k]
+    out = received.new_zeros(0, width)                                    # [R, H] this rank's experts
+    if received.shape[0]:
+        out = moe.experts(received[:, :width].to(hidden.dtype), received[:, width:width + top_k],
+                          received[:, width + top_k:].long())
+    back = ep.all_to_all(out, [list(col) for col in zip(*matrix)])        # [S, H] in send order
+    result = hidden.new_zeros(num_tokens, width)
+    result.index_add_(0, rows[token], back.to(hidden.dtype))
+    if moe.shared_experts is not None:
+        result += moe.shared_experts(hidden)
+    return tp.all_reduce(result) if size > 1 else result
