@@ -115,9 +115,10 @@ class Coordinator:
 
             speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
+        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
         self.core = make_engine(args.attention_groups, self.group, self.tokenizer, self.group.num_blocks,
-                                args.block_size, SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                                eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
+                                args.block_size, budgets, eos_ids, self.hf_config.vocab_size,
+                                args.enable_prefix_caching, speculator=speculator,
                                 num_state_slots=self.group.num_state_slots,
                                 grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.cache_events = CacheEventHub(self.core.block_manager)   # the router's view of the prefix cache

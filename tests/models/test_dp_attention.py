@@ -138,9 +138,10 @@ def test_dp2_worker_logits_match_transformers(tiny_model, tmp_path):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("world, num_groups, jobs", [(2, 2, OTHER_JOBS),
-                                                     (4, 4, [("deepseek_v32", "allgather"), ("glm_moe_dsa", "alltoall")]),
-                                                     (4, 2, [("deepseek_v32", "alltoall"), ("deepseek_v3", "allgather")])],
-                         ids=["N2-D2-rest", "N4-D4", "N4-D2-G2"])
+@pytest.mark.parametrize("world, num_groups, jobs", [
+    (2, 2, OTHER_JOBS),
+    (4, 4, [("deepseek_v32", "allgather"), ("glm_moe_dsa", "alltoall")]),
+    (4, 2, [("deepseek_v32", "alltoall"), ("deepseek_v3", "allgather")]),
+], ids=["N2-D2-rest", "N4-D4", "N4-D2-G2"])
 def test_dp_worker_layouts_extended(tiny_model, tmp_path, world, num_groups, jobs):
     run_layout(tiny_model, tmp_path, world, num_groups, jobs)
