@@ -206,8 +206,11 @@ class WorkerGroup:
                 raise ValueError("data-parallel attention with several ranks per attention group needs the shm or "
                                  "NCCL collectives (gloo forms one group per process)")
             vocab_slice = -(-hf_config.vocab_size // size)
-            # the MoE exchange: all-gather [rows, hidden] and reduce-scatter [tp, rows, hidden]
-            info = self._communicator(kind, tp, (tp + 1) * max_tokens * hf_config.hidden_size, nodes, timeout_s)
+            # the MoE exchange: allgather moves [rows, hidden] and reduce-scatters [tp, rows, hidden];
+            # alltoall sends each token (with its top-k ids and weights) to at most min(k, tp) ranks
+            hidden, top_k = hf_config.hidden_size, getattr(hf_config, "num_experts_per_tok", 1)
+            max_floats = max(tp * max_tokens * hidden, max_tokens * min(top_k, tp) * (hidden + 2 * top_k))
+            info = self._communicator(kind, tp, max_floats, nodes, timeout_s)
             info["attention_dp_size"] = num_groups
             if size > 1:
                 info["groups"] = [self._communicator(kind, size, max(max_tokens * hf_config.hidden_size,
