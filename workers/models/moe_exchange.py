@@ -113,7 +113,7 @@ def alltoall_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     size, local, num_ranks = tp.tp_size, tp.tp_rank, ep.tp_size
     num_tokens, width = hidden.shape
     assert counts[ep.tp_rank // size] == num_tokens, f"group has {num_tokens} tokens, step counts {counts}"
-    rows = torch.arange(local, num_tokens, size, device=hidden.device)   # this rank's share
+    rows = torch.arange(num_tokens, device=hidden.device)[local::size]   # this rank's share (maybe none)
     share = hidden[rows]                                                  # [T_l, H]
     weights, expert_ids = moe.gate(share)                                 # [T_l, k] float32, int64
     owners = getattr(moe, "_owners", None)
