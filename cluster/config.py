@@ -149,7 +149,16 @@ class EngineArgs:
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            seed=self.seed, quantization=self.quantization, compile=self.compile)
+                            seed=self.seed, quantization=self.quantization, compile=self.compile,
+                            attention_dp_size=self.attention_groups, moe_a2a=self.moe_a2a)
+
+    @property
+    def attention_groups(self) -> int:
+        """Attention groups ``D`` of the replica: 1 without ``enable_dp_attention`` (plain TP), else
+        ``attention_dp_size`` (default: every rank its own group, ``tensor_parallel_size``)."""
+        if not self.enable_dp_attention:
+            return 1
+        return self.attention_dp_size or self.tensor_parallel_size
 
     def draft_buffer_sizes(self):
         """What the buffers rank 0 shares with the MTP draft worker must hold

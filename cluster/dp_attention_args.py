@@ -50,14 +50,6 @@ def dp_attention_fields(ns: argparse.Namespace) -> dict:
             "moe_a2a": getattr(ns, "moe_a2a", "allgather")}
 
 
-def attention_groups(args) -> int:
-    """``D``, the replica's attention groups: ``attention_dp_size`` (default ``tensor_parallel_size``)
-    under DP attention, 1 (plain TP) without it. ``args``: an :class:`EngineArgs`, validated."""
-    if not args.enable_dp_attention:
-        return 1
-    return args.attention_dp_size or args.tensor_parallel_size
-
-
 def check_dp_attention_args(args) -> None:
     """The flags' own consistency (no model file read; :meth:`EngineArgs.validate` calls it).
 
@@ -140,13 +132,12 @@ def model_config_for_check(model: str):
 
 
 def runtime_available() -> bool:
-    """Whether this build runs DP attention: the engine maps the flags onto the ranks'
-    :class:`workers.model_runner.RunnerConfig` (the runtime's part of issue 29). Until it does, a
-    replica would run plain TP and ignore the flags, so the entry points refuse instead."""
-    from shardserve.cluster.config import EngineArgs
+    """Whether this build runs DP attention: it has the engine that keeps one block pool and
+    scheduler per attention group (``cluster/engine/dp_engine.py``, the runtime's part of issue 29).
+    Without it a replica would run plain TP and ignore the flags, so the entry points refuse."""
+    from importlib.util import find_spec
 
-    probe = EngineArgs(tensor_parallel_size=2, enable_dp_attention=True, attention_dp_size=2)
-    return getattr(probe.runner_config(), "attention_dp_size", 1) == 2
+    return find_spec("shardserve.cluster.engine.dp_engine") is not None
 
 
 def check_dp_attention_start(args) -> None:

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 from shardserve.cluster.cli import _floats
-from shardserve.cluster.dp_attention_args import attention_groups
 from shardserve.workers.device import GIB
 
 
@@ -94,7 +93,7 @@ def build_plan(ns: argparse.Namespace, args):
         block_size=args.block_size, max_model_len=min(args.max_model_len or model_len, model_len),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, triton=device == "cuda" and _cuda_kernels())
-    groups = attention_groups(args)
+    groups = args.attention_groups
     if args.enable_dp_attention:
         from shardserve.workers.plan_dp import plan_dp_replica
         from shardserve.workers.quantization import weight_format_for

@@ -16,7 +16,7 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
 
 from shardserve.cluster import cli
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.dp_attention_args import attention_groups, check_dp_attention_start, runtime_available
+from shardserve.cluster.dp_attention_args import check_dp_attention_start, runtime_available
 from shardserve.cluster.serve_app import ServeArgs
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -57,12 +57,12 @@ def test_inconsistent_flags_are_refused_by_engine_and_serve_args(fields, message
 
 
 def test_consistent_flags_pass_and_resolve_the_groups():
-    assert attention_groups(EngineArgs(tensor_parallel_size=4)) == 1
+    assert EngineArgs(tensor_parallel_size=4).attention_groups == 1
     for fields, groups in (({}, 4), ({"attention_dp_size": 2}, 2), ({"tensor_split": [1, 1, 1, 1]}, 4),
                            ({"attention_dp_size": 1, "moe_a2a": "alltoall"}, 1)):
         args = EngineArgs(tensor_parallel_size=4, enable_dp_attention=True, **fields)
         args.validate()
-        assert attention_groups(args) == groups
+        assert args.attention_groups == groups
     serve = ServeArgs.from_dict({"tensor_parallel_size": 4, "enable_dp_attention": True, "moe_a2a": "alltoall"})
     engine = serve.engine_args()
     assert (engine.enable_dp_attention, engine.attention_dp_size, engine.moe_a2a) == (True, None, "alltoall")
