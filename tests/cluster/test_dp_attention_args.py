@@ -137,7 +137,13 @@ def test_the_other_commands_refuse_alike_in_process(argv, message, capsys):
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_plan_refuses_a_model_without_moe_from_its_config(configs, capsys):
-    assert cli.main(["plan", str(configs["llama"]), "-tp", "2", "--gpu-memory-gib", "80", "--enable-dp-attention"]) == 2
+@pytest.mark.parametrize("command", ["serve", "serve-grpc", "plan"])
+def test_serve_and_plan_refuse_a_model_without_moe_before_ray_starts(command, configs, capsys, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("Ray started before the model was checked")
+
+    monkeypatch.setattr(cli, "init_ray", boom)
+    argv = [command, "--model", str(configs["llama"]), "-tp", "2", "--enable-dp-attention"]
+    assert cli.main(argv + (["--gpu-memory-gib", "80"] if command == "plan" else [])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(LlamaForCausalLM) has no MoE layers and no MLA attention" in err, err
