@@ -102,17 +102,18 @@ def test_manifest_passes_the_flags_to_the_rayservice(capsys):
 
 
 @pytest.mark.slow
-def test_each_class_of_bad_input_is_one_line_and_exit_2_from_the_console_script(configs):
+def test_each_class_of_bad_input_is_one_line_and_exit_2_from_the_console_script(configs, smollm2_files):
     """The installed ``shardserve`` as a user runs it (the three at once; an unknown ``--moe-a2a`` is
     argparse's choices, checked in-process below)."""
     exe = str(Path(sys.executable).parent / "shardserve")
     cases = {
-        "model": (["generate", "--prompt", "hi", "-tp", "2", "--model", str(configs["llama"]), "--enable-dp-attention"],
-                  "this model (LlamaForCausalLM) has no MoE layers and no MLA attention; data-parallel attention is "
-                  "for MLA + MoE models"),
+        "model": (["generate", "--prompt", "hi", "-tp", "2", "--model", str(smollm2_files.path), "--enable-dp-attention"],
+                  "this model (llama (GGUF)) has no MoE layers and no MLA attention; data-parallel attention is "
+                  "for MLA + MoE models"),   # the GGUF header is read, not the weights
         "dp-size": (["serve-grpc", "--model", str(configs["deepseek"]), "-tp", "4", "--enable-dp-attention",
                      "--attention-dp-size", "3"], "--attention-dp-size 3 must be >= 1 and divide"),
-        "split": (["serve", str(configs["deepseek"]), "-tp", "2", "--tensor-split", "2,1", "--enable-dp-attention"],
+        "split": (["generate", "--prompt", "hi", "--model", str(configs["deepseek"]), "-tp", "2", "--tensor-split", "2,1",
+                   "--enable-dp-attention"],
                   "--tensor-split 2,1 is uneven: --enable-dp-attention needs equal ranks"),
     }
     procs = {name: subprocess.Popen([exe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
