@@ -98,16 +98,16 @@ def build_plan(ns: argparse.Namespace, args):
         from shardserve.workers.plan_dp import plan_dp_replica
         from shardserve.workers.quantization import weight_format_for
 
-        fmt = weight_format_for(dtype, args.quantization, isinstance(ckpt, GGUFCheckpoint)) if device == "cpu" else None
+        fmt = (weight_format_for(dtype, args.quantization, isinstance(ckpt, GGUFCheckpoint))
+               if device == "cpu" else None)
         plan = plan_dp_replica(hf_config, ckpt, config, dtype, groups, fmt, args.speculative_tokens)
     else:
         plan = plan_replica(hf_config, ckpt, config, dtype, args.tensor_split, args.quantization,
                             args.speculative_tokens)
     source = "config.json only" if not any(Path(files.path).glob("*.safetensors")) and not files.is_gguf else "checkpoint"
+    layout = f" (DP attention: {groups} groups, --moe-a2a {args.moe_a2a})" if args.enable_dp_attention else ""
     plan.notes.append(f"{files.name} ({type(hf_config).__name__.removesuffix('Config')}, {source}), "
-                      f"TP={args.tensor_parallel_size}"
-                      f"{f' (DP attention: {groups} groups, --moe-a2a {args.moe_a2a})' if args.enable_dp_attention else ''}"
-                      f", {str(dtype).removeprefix('torch.')}, {device}")
+                      f"TP={args.tensor_parallel_size}{layout}, {str(dtype).removeprefix('torch.')}, {device}")
     return plan
 
 

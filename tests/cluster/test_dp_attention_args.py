@@ -107,13 +107,14 @@ def test_each_class_of_bad_input_is_one_line_and_exit_2_from_the_console_script(
     argparse's choices, checked in-process below)."""
     exe = str(Path(sys.executable).parent / "shardserve")
     cases = {
-        "model": (["generate", "--prompt", "hi", "-tp", "2", "--model", str(smollm2_files.path), "--enable-dp-attention"],
+        "model": (["generate", "--prompt", "hi", "-tp", "2", "--model", str(smollm2_files.path),
+                   "--enable-dp-attention"],
                   "this model (llama (GGUF)) has no MoE layers and no MLA attention; data-parallel attention is "
                   "for MLA + MoE models"),   # the GGUF header is read, not the weights
         "dp-size": (["serve-grpc", "--model", str(configs["deepseek"]), "-tp", "4", "--enable-dp-attention",
                      "--attention-dp-size", "3"], "--attention-dp-size 3 must be >= 1 and divide"),
-        "split": (["generate", "--prompt", "hi", "--model", str(configs["deepseek"]), "-tp", "2", "--tensor-split", "2,1",
-                   "--enable-dp-attention"],
+        "split": (["generate", "--prompt", "hi", "--model", str(configs["deepseek"]), "-tp", "2",
+                   "--tensor-split", "2,1", "--enable-dp-attention"],
                   "--tensor-split 2,1 is uneven: --enable-dp-attention needs equal ranks"),
     }
     procs = {name: subprocess.Popen([exe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
