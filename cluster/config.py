@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from shardserve.cluster.dp_attention_args import check_dp_attention_args, check_dp_attention_model
 from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
@@ -96,7 +97,8 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
-        them: its weights are quantized already). Reads no model file."""
+        them: its weights are quantized already; the DP-attention flags:
+        :func:`cluster.dp_attention_args.check_dp_attention_args`). Reads no model file."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -135,6 +137,7 @@ class EngineArgs:
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")
+        check_dp_attention_args(self)   # --enable-dp-attention / --attention-dp-size / --moe-a2a
 
     def runner_config(self):
         """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
@@ -171,7 +174,8 @@ class EngineArgs:
         Raises:
             ValueError: ``max_model_len`` is more than the model's context length
                 (``max_position_embeddings``: the length of its RoPE table; positions past it have no
-                rotation), as vLLM refuses it.
+                rotation), as vLLM refuses it; ``enable_dp_attention`` on a model without MLA or
+                without MoE (:func:`cluster.dp_attention_args.check_dp_attention_model`).
         """
         from shardserve.workers.model_source import model_context_length
 
@@ -180,6 +184,7 @@ class EngineArgs:
             raise ValueError(f"--max-model-len {self.max_model_len} is more than this model's context length, "
                              f"{limit} tokens (max_position_embeddings in its config); lower --max-model-len to at "
                              f"most {limit}")
+        check_dp_attention_model(self, hf_config)
 
     def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
         """The context length to serve: one sequence of that length must fit the KV pool
