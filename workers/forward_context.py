@@ -33,6 +33,8 @@ class AttentionMetadata:
     # Data-parallel attention (workers/models/moe_exchange.py): tokens of every attention group in
     # this step, from the plans on the host; None: plain TP (or every group runs this shape).
     dp_token_counts: list[int] | None = None
+    # ... and the rows that need logits in each group (the LM head's exchange, group_exchange.py)
+    dp_logit_counts: list[int] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -47,6 +49,12 @@ def forward_context(metadata: AttentionMetadata):
         yield metadata
     finally:
         _CONTEXT = None
+
+
+def current_metadata() -> AttentionMetadata | None:
+    """The current step's metadata, or None outside :func:`forward_context` (e.g. the memory
+    profile's LM head call). Not for traced code (see :func:`get_attention_metadata`)."""
+    return _CONTEXT
 
 
 def get_attention_metadata() -> AttentionMetadata:

@@ -103,6 +103,12 @@ class DataParallelPlan:
         return [sum(len(s.token_ids) for s in plan.scheduled) for plan in self.plans]
 
     @property
+    def logit_counts(self) -> list[int]:
+        """Rows each group computes logits for this step: one per sampling request plus one per
+        draft token it verifies (``workers/step_inputs.py``), the LM head's exchange sizes."""
+        return [sum(1 + s.num_spec_tokens for s in plan.scheduled if s.sample) for plan in self.plans]
+
+    @property
     def scheduled(self) -> list[ScheduledRequest]:
         """Every group's scheduled requests, in group order (step timing and logs)."""
         return [sched for plan in self.plans for sched in plan.scheduled]

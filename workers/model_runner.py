@@ -498,25 +498,31 @@ class ModelRunner:
         float32 logits ``[rows, vocab]`` on the device, one row per sampling request plus one per
         draft token it verifies. Pure decode steps replay a captured graph when there is one for
         their (padded) batch size. An idle attention group joins the other groups' MoE exchanges."""
-        counts = plan.token_counts if isinstance(plan, DataParallelPlan) else None
+        counts, logit_counts = ((plan.token_counts, plan.logit_counts) if isinstance(plan, DataParallelPlan)
+                                else (None, None))
         plan = self.own_plan(plan)
         self._apply_plan(plan)
         self.last_hidden_states = None
         if not plan.scheduled:
             if counts is not None and any(counts):
-                self.model.idle_forward(counts)
+                self.model.idle_forward(counts, logit_counts)
             return torch.empty(0, self.hf_config.vocab_size, device=self.device)
         host = self._host_batch(plan)
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
             state_slots = None if self.state_cache is None else self.state_cache.begin_decode(plan)
             hidden, rows = self.graphs.run(host, self.stager, state_slots, self._share_placeholders), None
+            meta = None
         else:
             input_ids, meta, rows = self._device_inputs(host, plan, counts)
+            meta.dp_logit_counts = logit_counts
             with forward_context(meta):
                 hidden = self.forward(input_ids, meta.positions)
         if plan.return_hidden:
             self.last_hidden_states = hidden.clone() if rows is None else hidden
-        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+        if counts is None:
+            return self.model.compute_logits(hidden if rows is None else hidden[rows])
+        with forward_context(meta):   # the LM head's exchange reads every group's row counts
+            return self.model.compute_logits(hidden[rows])
 
     def _process_logits(self, logits: torch.Tensor, sampling: list) -> torch.Tensor:
         """Rank 0: the logits sampling draws from (``workers/logits_processors.py``): grammar masks

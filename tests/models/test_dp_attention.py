@@ -5,8 +5,9 @@ DeepSeek-V3. Each group runs its own requests (a chunked prefill, a group idle i
 concurrent decodes); every logits row equals transformers' on the same checkpoint (teacher forcing).
 
 ``make test`` runs N = D = 2 (G = 1) for three (architecture, mode) pairs; the ``extended`` test
-runs the other three and N = 4 as D = 4 (G = 1) and D = 2 (G = 2: heads, dense MLP, shared experts
-and vocabulary split inside each group as plain TP=2).
+runs the other three and N = 4 as D = 4 (G = 1) and D = 2 (G = 2: heads split inside each group as
+plain TP=2). The embedding, LM head, dense MLPs and shared experts are split over all N ranks in
+every layout (SGLang's DP-attention layout; ``workers/models/group_exchange.py``).
 """
 
 from __future__ import annotations
@@ -79,12 +80,30 @@ def _worker(rank: int, world: int, num_groups: int, names: list[str], paths: dic
             moe = next(layer.mlp for layer in runner.model.model.layers if hasattr(layer.mlp, "experts"))
             out[arch, mode] = {"logits": run_script(runner, num_groups),
                                "experts": (moe.experts.first, moe.experts.count),
-                               "heads": runner.model.attention_layers()[0].num_heads}
+                               "heads": runner.model.attention_layers()[0].num_heads,
+                               "over_all_ranks": split_over_all_ranks(runner.model)}
         torch.save(out, f"{out_path}.{rank}")
     finally:
         set_tp_group(TensorParallelGroup())
         experts.close()
         attention.close()
+
+
+def split_over_all_ranks(model) -> dict[str, tuple[int, int]]:
+    """``part -> (units this rank holds, the model's full count)`` for the parts split over every
+    rank of the replica under DP attention: LM head and embedding rows, the shared experts' and the
+    first dense MLP's intermediate columns (where the model has them)."""
+    config, layers = model.config, model.model.layers
+    moe = next(layer.mlp for layer in layers if hasattr(layer.mlp, "experts"))
+    dense = next((layer.mlp for layer in layers if not hasattr(layer.mlp, "experts")), None)
+    parts = {"lm_head": (model.lm_head.vocab_size_local, config.vocab_size),
+             "embedding": (model.model.embed_tokens.vocab_size_local, config.vocab_size)}
+    if moe.shared_experts is not None:
+        parts["shared"] = (moe.shared_experts.down_proj.local_size,
+                           config.moe_intermediate_size * config.n_shared_experts)
+    if dense is not None:
+        parts["dense"] = (dense.down_proj.local_size, config.intermediate_size)
+    return parts
 
 
 def run_layout(tiny_model, tmp_path, world: int, num_groups: int, jobs: list) -> None:
@@ -107,6 +126,9 @@ def run_layout(tiny_model, tmp_path, world: int, num_groups: int, jobs: list) ->
         results = [r[arch, mode] for r in ranks]
         assert [r["experts"] for r in results] == [(per_rank * i, per_rank) for i in range(world)]   # over all ranks
         assert [r["heads"] for r in results] == [4 // size] * world   # attention split inside the group only
+        for part, (_, full) in results[0]["over_all_ranks"].items():   # 1/N of these on each rank
+            sizes = [r["over_all_ranks"][part][0] for r in results]
+            assert sum(sizes) == full and max(sizes) - min(sizes) <= 1, (arch, part, sizes)
         for rank in range(0, world, size):   # every rank of a group holds the same logits
             for peer in range(rank + 1, rank + size):
                 for req, rows in results[rank]["logits"].items():

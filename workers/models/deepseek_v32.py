@@ -29,6 +29,7 @@ from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmb
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
 from shardserve.workers.models.dsa_indexer import DSAIndexer
+from shardserve.workers.models.group_exchange import GroupGatedMLP, GroupLMHead, GroupVocabEmbedding
 from shardserve.workers.models.mla import MLAAttention
 from shardserve.workers.models.moe import DeepseekMoE, GatedMLP
 from shardserve.workers.partition import split_units
@@ -89,16 +90,18 @@ class DeepseekModel(nn.Module):
                  indexer_rope_interleaved: bool, hadamard: bool, indexer_cache_dtype: str = "auto",
                  dsa_sink: int = 0) -> None:
         super().__init__()
-        group = get_tp_group()
+        group, experts = get_tp_group(), get_expert_group()
         rank, size = group.tp_rank, group.tp_size
         head_range = split_units(config.num_attention_heads, size, tensor_split)[rank]
-        inter_range = split_units(config.intermediate_size, size, tensor_split)[rank]
-        experts = get_expert_group()
-        # Data-parallel attention (issue 29): the routed experts span all ranks of the replica,
-        # everything else is split over this rank's attention group (the TP group), as plain TP.
+        # Data-parallel attention (issue 29): attention is split over this rank's attention group
+        # (the TP group); everything else over all the replica's ranks (the expert group), with
+        # tokens exchanged between the groups (workers/models/group_exchange.py, moe_exchange.py).
         exchange = None if experts is group else _option(None, config, "shardserve_moe_a2a", "allgather")
-        expert_range = split_units(config.n_routed_experts, experts.tp_size,
-                                   tensor_split if exchange is None else None)[experts.tp_rank]
+        if exchange is not None:
+            rank, size, tensor_split = experts.tp_rank, experts.tp_size, None
+        self.vocab_rank = rank
+        inter_range = split_units(config.intermediate_size, size, tensor_split)[rank]
+        expert_range = split_units(config.n_routed_experts, size, tensor_split)[rank]
         shared_size = config.moe_intermediate_size * (config.n_shared_experts or 0)
         shared_range = split_units(shared_size, size, tensor_split)[rank] if shared_size else None
         self.vocab_ranges = split_units(config.vocab_size, size, tensor_split)
@@ -107,8 +110,9 @@ class DeepseekModel(nn.Module):
         mlp_types = getattr(config, "mlp_layer_types", None) or [
             "dense" if i < config.first_k_dense_replace else "sparse" for i in range(config.num_hidden_layers)]
 
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   *self.vocab_ranges[rank], dtype=dtype)
+        embedding, dense = (VocabParallelEmbedding, GatedMLP) if exchange is None else (GroupVocabEmbedding,
+                                                                                          GroupGatedMLP)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, *self.vocab_ranges[rank], dtype=dtype)
         self.layers = nn.ModuleList()
         for idx in range(config.num_hidden_layers):
             indexer = None
@@ -119,8 +123,8 @@ class DeepseekModel(nn.Module):
             if mlp_types[idx] == "sparse":
                 mlp = DeepseekMoE(config, expert_range, shared_range, dtype, exchange)
             else:
-                mlp = GatedMLP(config.hidden_size, config.intermediate_size, inter_range, reduce_output=True,
-                               dtype=dtype)
+                mlp = dense(config.hidden_size, config.intermediate_size, inter_range, reduce_output=exchange is None,
+                            dtype=dtype)
             self.layers.append(DeepseekDecoderLayer(config, attn, mlp, dtype))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -133,13 +137,17 @@ class DeepseekModel(nn.Module):
         return hidden
 
     def idle_forward(self, counts: list[int]) -> None:
-        """Data-parallel attention, a step where this rank's group has no tokens: join every MoE
-        layer's token exchange with zero rows, in layer order, so the other groups' collectives
-        complete (``counts``: tokens of each attention group, this group's 0)."""
+        """Data-parallel attention, a step where this rank's group has no tokens: join the
+        embedding's, every dense layer's and every MoE layer's token exchange with zero rows, in
+        layer order, so the other groups' collectives complete (``counts``: tokens of each
+        attention group, this group's 0; ``workers/models/group_exchange.py``)."""
         param = self.norm.weight
         empty = torch.empty(0, param.shape[0], dtype=param.dtype, device=param.device)
+        self.embed_tokens.exchange(torch.empty(0, dtype=torch.long, device=param.device), counts)
         for layer in self.layers:
-            if getattr(layer.mlp, "exchange", None) is not None:
+            if isinstance(layer.mlp, GroupGatedMLP):
+                layer.mlp.exchange(empty, counts)
+            else:
                 layer.mlp.exchange_forward(empty, counts)
 
 
@@ -181,10 +189,10 @@ class DeepseekV32ForCausalLM(nn.Module):
         indexer_types = self._indexer_types(config) if self.dsa_enabled else ["none"] * config.num_hidden_layers
         self.model = DeepseekModel(config, tensor_split, dtype, indexer_types, self.indexer_rope_interleaved,
                                    self.hadamard, self.indexer_cache_dtype, self.dsa_sink)
-        rank = get_tp_group().tp_rank
-        ranges = self.model.vocab_ranges
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *ranges[rank],
-                                      sizes=[count for _, count in ranges], dtype=dtype)
+        ranges = self.model.vocab_ranges   # over the TP group, or all ranks under data-parallel attention
+        head = GroupLMHead if isinstance(self.model.embed_tokens, GroupVocabEmbedding) else ParallelLMHead
+        self.lm_head = head(config.vocab_size, config.hidden_size, *ranges[self.model.vocab_rank],
+                            sizes=[count for _, count in ranges], dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
     def _indexer_types(self, config) -> list[str]:
@@ -202,9 +210,12 @@ class DeepseekV32ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def idle_forward(self, counts: list[int]) -> None:
-        """See :meth:`DeepseekModel.idle_forward` (data-parallel attention, an idle group)."""
+    def idle_forward(self, counts: list[int], logit_counts: list[int]) -> None:
+        """Data-parallel attention, an idle group: :meth:`DeepseekModel.idle_forward`, then the LM
+        head's exchange with zero rows (``logit_counts``: rows that need logits in each group)."""
         self.model.idle_forward(counts)
+        self.lm_head.exchange(torch.empty(0, self.config.hidden_size, dtype=self.model.norm.weight.dtype,
+                                          device=self.model.norm.weight.device), logit_counts)
 
 
 class DeepseekV3ForCausalLM(DeepseekV32ForCausalLM):

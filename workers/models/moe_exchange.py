@@ -1,19 +1,22 @@
 """MoE token exchange between attention groups (data-parallel attention, issue 29).
 
 With ``--enable-dp-attention`` the replica's N ranks form D attention groups of G = N / D ranks
-(``workers/distributed.py: attention_group_layout``). Each group runs attention, the dense MLPs, the
-shared experts and the LM head over its *own* requests as a plain G-way TP group; only the routed
-experts are split over all N ranks (expert parallel, whole experts). So in a MoE layer a group's
-tokens must reach the ranks holding their experts, and the results must come back:
+(``workers/distributed.py: attention_group_layout``). Each group runs attention (MLA + the DSA
+indexer) over its *own* requests as a plain G-way TP group; the routed experts are split over all N
+ranks (expert parallel, whole experts), and so are the shared experts, the dense MLPs, the
+embedding and the LM head (intermediate dim / vocabulary over N: ``workers/models/group_exchange.py``,
+SGLang's layout). So in a MoE layer a group's tokens must reach the ranks holding their experts,
+and the results must come back:
 
 ``allgather`` (the baseline; SGLang's DP-attention gather/scatter):
     1. all-gather every group's hidden states ``[T_g, H]`` over the N ranks, padded to
        ``max_g T_g`` rows (the counts come from the step's plans on the host: no device read-back);
     2. every rank routes all ``sum_g T_g`` tokens (the router is replicated and every rank sees the
-       same rows, so the choice agrees everywhere) and runs its own experts over them;
-    3. reduce-scatter (sum) a ``[N, max_g T_g, H]`` buffer whose part r holds this rank's expert
-       output for the tokens of rank r's group (plus, for the ranks of its own group, its slice of
-       the shared experts): every rank gets its group's finished MoE output in one collective.
+       same rows, so the choice agrees everywhere), runs its own experts and its 1/N slice of the
+       shared experts over them;
+    3. reduce-scatter (sum) a ``[N, max_g T_g, H]`` buffer whose part r holds this rank's output
+       for the tokens of rank r's group: every rank gets its group's finished MoE output in one
+       collective.
 
 ``alltoall`` (DeepEP's dispatch/combine idea): see :func:`alltoall_moe`.
 
@@ -31,14 +34,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.workers.distributed import get_expert_group, get_tp_group
-
-
-def group_offsets(counts: list[int]) -> list[int]:
-    """``[0, c0, c0 + c1, ...]``: where each group's tokens start in the gathered rows."""
-    offsets = [0]
-    for count in counts:
-        offsets.append(offsets[-1] + count)
-    return offsets
+from shardserve.workers.models.group_exchange import gather_groups, scatter_groups
 
 
 def allgather_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -47,7 +43,7 @@ def allgather_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
     Args:
         moe: the layer (``gate``, ``experts`` over this rank's global expert range, optional
-            ``shared_experts`` split over the attention group).
+            ``shared_experts`` with their intermediate dim split over all N ranks).
         hidden: ``[T_g, H]`` this group's post-attention normed hidden states (the same on each of
             the group's ranks).
         counts: ``[D]`` tokens of every group this step (host ints; ``counts[group] == T_g``).
@@ -55,25 +51,12 @@ def allgather_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     Returns:
         ``[T_g, H]`` the MoE output (routed + shared), already summed over every rank.
     """
-    tp, ep = get_tp_group(), get_expert_group()
-    size = tp.tp_size
-    mine, num_groups = ep.tp_rank // size, ep.tp_size // size
-    assert len(counts) == num_groups and counts[mine] == hidden.shape[0], \
-        f"group {mine} has {hidden.shape[0]} tokens, step counts {counts}"
-    width, rows = hidden.shape[1], max(counts)
-    padded = hidden.new_zeros(rows, width)
-    padded[:hidden.shape[0]] = hidden
-    parts = ep.all_gather_equal(padded)                  # N x [rows, H]; a group's G ranks send the same rows
-    tokens = torch.cat([parts[g * size][:counts[g]] for g in range(num_groups)])   # [sum T, H]
+    tokens = gather_groups(hidden, counts)               # [sum T, H]: every group's tokens
     weights, expert_ids = moe.gate(tokens)
-    routed = moe.experts(tokens, weights, expert_ids)    # [sum T, H] this rank's experts only
-    offsets = group_offsets(counts)
-    buffer = hidden.new_zeros(ep.tp_size, rows, width)   # part r: rows of rank r's group
-    for g in range(num_groups):
-        buffer[g * size:(g + 1) * size, :counts[g]] = routed[offsets[g]:offsets[g + 1]]
-    if moe.shared_experts is not None:                   # this rank's slice of its own group's shared experts
-        buffer[mine * size:(mine + 1) * size, :hidden.shape[0]] += moe.shared_experts(hidden)
-    return ep.reduce_scatter(buffer)[:hidden.shape[0]]
+    out = moe.experts(tokens, weights, expert_ids)       # [sum T, H] this rank's experts only
+    if moe.shared_experts is not None:                   # this rank's 1/N slice of the shared experts
+        out = out + moe.shared_experts(tokens)
+    return scatter_groups(out, counts)
 
 
 def expert_owners(num_experts: int, num_ranks: int, device: torch.device) -> torch.Tensor:
@@ -99,11 +82,14 @@ def alltoall_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     3. each rank runs its experts over what it received (weighted by the routing weights; ids of
        other ranks' experts contribute nothing);
     4. combine: the outputs go back the same way (the transposed counts) and each token's
-       contributions are summed; the shared experts' slice is added and, for G > 1, the group
-       all-reduces (its ranks hold disjoint token shares and partial shared sums).
+       contributions are summed on the rank that routed the token;
+    5. the shared experts (split over all N ranks) run on every group's tokens as a dense layer does
+       (:func:`workers.models.group_exchange.gather_groups` / ``scatter_groups``), and that one
+       reduce-scatter also sums the G token shares of each group's routed output. Without shared
+       experts a group of G > 1 all-reduces its shares instead.
 
-    Args / returns: as :func:`allgather_moe` (``counts`` only checks this group's size: the
-    exchange sizes come from the routing).
+    Args / returns: as :func:`allgather_moe` (the routed exchange's sizes come from the routing;
+    ``counts`` sizes the shared experts' exchange).
 
     NOTE: the counts exchange reads the device (``tolist``), so on CUDA this path cannot be
     captured in a graph; under data-parallel attention decode runs eagerly anyway. Payloads are
@@ -133,7 +119,7 @@ def alltoall_moe(moe, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
                           received[:, width + top_k:].long())
     back = ep.all_to_all(out, [list(col) for col in zip(*matrix)])        # [S, H] in send order
     result = hidden.new_zeros(num_tokens, width)
-    result.index_add_(0, rows[token], back.to(hidden.dtype))
-    if moe.shared_experts is not None:
-        result += moe.shared_experts(hidden)
+    result.index_add_(0, rows[token], back.to(hidden.dtype))                # this rank's share's routed sum
+    if moe.shared_experts is not None:   # shared experts over N ranks; the group's shares summed in the same call
+        return scatter_groups(moe.shared_experts(gather_groups(hidden, counts)), counts, own=result)
     return tp.all_reduce(result) if size > 1 else result
