@@ -147,8 +147,8 @@ class EngineArgs:
         return RunnerConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gib * 2**30),
                             num_blocks=self.num_blocks, tensor_split=self.tensor_split, device=self.device,
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
-                            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            enforce_eager=self.enforce_eager, max_num_seqs=self.group_budgets[0],
+                            max_num_batched_tokens=self.group_budgets[1], max_model_len=self.max_model_len,
                             seed=self.seed, quantization=self.quantization, compile=self.compile,
                             attention_dp_size=self.attention_groups, moe_a2a=self.moe_a2a)
 
@@ -159,6 +159,16 @@ class EngineArgs:
         if not self.enable_dp_attention:
             return 1
         return self.attention_dp_size or self.tensor_parallel_size
+
+    @property
+    def group_budgets(self) -> tuple[int, int]:
+        """``(max_num_seqs, max_num_batched_tokens)`` of one attention group's step: the replica's
+        limits divided by the ``D`` groups under data-parallel attention (SGLang divides
+        ``chunked_prefill_size`` and ``max_running_requests`` by the DP size), so one step of every
+        group together stays within the replica's budget; the limits themselves under plain TP.
+        :func:`cluster.dp_attention_args.check_dp_attention_args` refuses a budget below one per group."""
+        groups = self.attention_groups
+        return self.max_num_seqs // groups, self.max_num_batched_tokens // groups
 
     def draft_buffer_sizes(self):
         """What the buffers rank 0 shares with the MTP draft worker must hold

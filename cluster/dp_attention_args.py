@@ -56,8 +56,10 @@ def check_dp_attention_args(args) -> None:
     Raises:
         ValueError: ``moe_a2a`` is not a known mode; ``attention_dp_size`` or a non-default
             ``moe_a2a`` without ``enable_dp_attention``; ``attention_dp_size`` < 1 or not dividing
-            ``tensor_parallel_size``; an uneven ``tensor_split`` with DP attention (attention groups
-            are equal by construction, and routed experts split in whole experts over all ranks).
+            ``tensor_parallel_size``; ``max_num_batched_tokens`` or ``max_num_seqs`` (the replica's
+            step budget, divided over the ``D`` groups) below ``D``; an uneven ``tensor_split`` with
+            DP attention (attention groups are equal by construction, and the layers split over all
+            ranks split in whole units).
     """
     if args.moe_a2a not in MOE_A2A_CHOICES:
         raise ValueError(f"--moe-a2a must be one of {', '.join(MOE_A2A_CHOICES)}, got {args.moe_a2a!r}")
@@ -75,6 +77,13 @@ def check_dp_attention_args(args) -> None:
         raise ValueError(f"--attention-dp-size {size} must be >= 1 and divide --tensor-parallel-size {tp} "
                          f"(each attention group is tensor-parallel-size / D ranks; try one of "
                          f"{', '.join(str(d) for d in range(1, tp + 1) if tp % d == 0)})")
+    groups = size or tp
+    for flag, value in (("--max-num-batched-tokens", args.max_num_batched_tokens), ("--max-num-seqs",
+                                                                                 args.max_num_seqs)):
+        if value < groups:
+            raise ValueError(f"{flag} {value} is the replica's step budget, split over its {groups} attention groups "
+                             f"under --enable-dp-attention: {value} // {groups} = 0 per group; raise it to at least "
+                             f"{groups}")
     if args.tensor_split is not None and len(set(args.tensor_split)) > 1:
         split = ",".join(f"{share:g}" for share in args.tensor_split)
         raise ValueError(f"--tensor-split {split} is uneven: --enable-dp-attention needs equal ranks (equal "

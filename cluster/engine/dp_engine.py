@@ -141,11 +141,15 @@ class DataParallelEngine:
             :class:`DataParallelResult` (``cluster/replica/worker_group.py``).
         num_groups: attention groups ``D`` (>= 2).
         num_blocks: KV blocks of *one* group (every group has the per-rank budget).
-        Other arguments: as :class:`EngineCore` (each group gets its own copy of the scheduler
-        budgets: ``max_num_seqs`` and ``max_num_batched_tokens`` are per group, as in SGLang).
+        scheduler_config: the replica's limits: each group's scheduler gets ``max_num_seqs // D``
+            sequences and ``max_num_batched_tokens // D`` tokens a step (SGLang divides
+            ``chunked_prefill_size`` and ``max_running_requests`` by the DP size), so one step of all
+            groups stays within the replica's budget, which sizes the ranks' exchange buffers.
+        Other arguments: as :class:`EngineCore`.
 
     Raises:
-        ValueError: a speculator (MTP) was given (:data:`MTP_REFUSAL`).
+        ValueError: a speculator (MTP) was given (:data:`MTP_REFUSAL`); a budget below one
+            sequence or token per group.
     """
 
     def __init__(self, executor, tokenizer, num_blocks: int, block_size: int, scheduler_config: SchedulerConfig,
@@ -155,7 +159,13 @@ class DataParallelEngine:
             raise ValueError(MTP_REFUSAL)
         assert num_groups >= 2, f"num_groups={num_groups}: one group is plain TP (EngineCore)"
         self.executor = executor
-        self.cores = [EngineCore(executor, tokenizer, num_blocks, block_size, dataclasses.replace(scheduler_config),
+        per_group = dataclasses.replace(scheduler_config, max_num_seqs=scheduler_config.max_num_seqs // num_groups,
+                                        max_num_batched_tokens=scheduler_config.max_num_batched_tokens // num_groups)
+        if not per_group.max_num_seqs or not per_group.max_num_batched_tokens:
+            raise ValueError(f"a step budget of {scheduler_config.max_num_seqs} sequences and "
+                             f"{scheduler_config.max_num_batched_tokens} tokens leaves nothing for each of "
+                             f"{num_groups} attention groups")
+        self.cores = [EngineCore(executor, tokenizer, num_blocks, block_size, dataclasses.replace(per_group),
                                  eos_token_ids, vocab_size, enable_prefix_caching, num_state_slots=num_state_slots,
                                  grammar_compiler=grammar_compiler) for _ in range(num_groups)]
         self.tokenizer, self.vocab_size, self.grammar_compiler = tokenizer, vocab_size, grammar_compiler

@@ -206,14 +206,18 @@ class WorkerGroup:
                 raise ValueError("data-parallel attention with several ranks per attention group needs the shm or "
                                  "NCCL collectives (gloo forms one group per process)")
             vocab_slice = -(-hf_config.vocab_size // size)
-            # the MoE exchange: allgather moves [rows, hidden] and reduce-scatters [tp, rows, hidden];
-            # alltoall sends each token (with its top-k ids and weights) to at most min(k, tp) ranks
-            hidden, top_k = hf_config.hidden_size, getattr(hf_config, "num_experts_per_tok", 1)
-            max_floats = max(tp * max_tokens * hidden, max_tokens * min(top_k, tp) * (hidden + 2 * top_k))
+            # rows: one group's step (runner_config holds the per-group budget). The exchanges over
+            # all ranks (workers/models/group_exchange.py, moe_exchange.py) all-gather [rows, hidden]
+            # and reduce-scatter [tp, rows, hidden]; alltoall sends each token (with its top-k ids
+            # and weights) to at most min(k, tp) ranks; the LM head all-gathers [seqs, vocab / tp].
+            rows, hidden = runner_config.max_num_batched_tokens, hf_config.hidden_size
+            top_k = getattr(hf_config, "num_experts_per_tok", 1)
+            max_floats = max(tp * rows * hidden, rows * min(top_k, tp) * (hidden + 2 * top_k),
+                             max_seqs * -(-hf_config.vocab_size // tp))
             info = self._communicator(kind, tp, max_floats, nodes, timeout_s)
             info["attention_dp_size"] = num_groups
             if size > 1:
-                info["groups"] = [self._communicator(kind, size, max(max_tokens * hf_config.hidden_size,
+                info["groups"] = [self._communicator(kind, size, max(rows * hf_config.hidden_size,
                                                                      max_seqs * vocab_slice), nodes, timeout_s)
                                   for _ in range(num_groups)]
         # concurrent: ranks rendezvous
