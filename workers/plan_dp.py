@@ -1,31 +1,31 @@
 """The memory plan of a replica under data-parallel attention (issue 29; ``shardserve plan
 --enable-dp-attention``).
 
-The layout (SGLang's ``--enable-dp-attention``): the replica's ``N`` ranks form ``D`` attention
-groups of ``G = N / D`` consecutive ranks. Inside a group everything but the routed experts -- MLA
-and the DSA indexer, the dense MLP layers, the shared experts, the router, the embedding and the LM
-head -- is split over the ``G`` ranks exactly as plain TP splits it over ``G`` ranks; the routed
-experts are split over all ``N`` ranks in whole experts (expert parallel). So rank ``r`` holds
+The layout (SGLang's ``--enable-dp-attention``; ``workers/models/group_exchange.py``): the
+replica's ``N`` ranks form ``D`` attention groups of ``G = N / D`` consecutive ranks. MLA and the
+DSA indexer are split over the ``G`` ranks of a group exactly as plain TP splits them over ``G``
+ranks (so at ``G = 1`` a rank holds all heads); the routed experts (whole experts), the shared
+experts and dense MLP layers (intermediate dim) and the embedding and LM head (vocabulary) are split
+over all ``N`` ranks. Each rank's model is built on the meta device in that layout, under planning
+groups of the real sizes (:func:`as_dp_rank`), by the code ``serve`` loads with, so the weights are
+what the rank will hold. Each group keeps its own KV + indexer cache pool, sized like a plain TP
+rank's (every rank of a group holds the full latent of its group's tokens); the replica allocates
+the smallest block count of any rank in every group, so its capacity is ``D x blocks x
+block_size`` tokens, against ``blocks x block_size`` under plain TP, where every rank holds the same
+latents.
 
-    weights(r) = weights of rank ``r % G`` of a plain TP=G model, routed experts excluded
-               + the routed experts of rank ``r`` of a plain TP=N model,
-
-which is what this module sums, from two meta-device builds (the code ``serve`` loads with; see
-:mod:`workers.plan`). Each group keeps its own KV + indexer cache pool, sized like a plain TP rank's
-(every rank of a group holds the full latent of its group's tokens); the replica allocates the
-smallest block count of any rank in every group, so its capacity is ``D x blocks x block_size``
-tokens, against ``blocks x block_size`` under plain TP, where every rank holds the same latents.
-
-Reserves follow the runtime: decode runs eagerly (no CUDA graphs: the MoE exchange's token counts
-change every step), ``--max-num-batched-tokens`` is each group's step budget, and a MoE layer under
-``allgather`` routes every group's tokens on every rank (``D x`` the tokens, plus the gathered and
-reduce-scattered ``[N, tokens, hidden]`` buffers); ``alltoall`` is planned the same way, an upper
-bound of what it receives.
+Reserves follow the runtime: decode runs eagerly (no CUDA graphs: the exchanges' token counts
+change every step); ``--max-num-batched-tokens`` and ``--max-num-seqs`` are the *replica's* step
+budget, each group's scheduler gets ``1/D`` of them (as SGLang divides ``chunked_prefill_size``);
+attention is planned at a group's share, and the layers split over all ranks run on every group's
+tokens, i.e. the replica's budget, plus the exchange's gathered and reduce-scattered ``[N, tokens /
+D, hidden]`` buffers. ``alltoall`` is planned the same way, an upper bound of what it receives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 import torch
 
@@ -47,9 +47,37 @@ def routed_expert_bytes(model) -> dict[str, int]:
     return out
 
 
+def attention_bytes(model) -> int:
+    """Bytes of a model's attention sublayers (MLA with its DSA indexer: ``self_attn`` of every layer)."""
+    from shardserve.workers.weight_loader import weight_bytes_by_format
+
+    return sum(sum(weight_bytes_by_format(layer.self_attn).values()) for layer in model.model.layers)
+
+
+@contextmanager
+def as_dp_rank(rank: int, num_ranks: int, num_groups: int):
+    """Build models as replica rank ``rank`` of ``num_ranks`` in ``num_groups`` attention groups:
+    planning groups (no communicator) of the runtime's sizes, the attention group as the TP group
+    and all ranks as the expert group (``workers/distributed.py``); the process's groups are put back.
+
+    Raises:
+        ValueError: ``num_groups`` does not divide ``num_ranks``.
+    """
+    from shardserve.workers.distributed import (TensorParallelGroup, attention_group_layout, get_expert_group,
+                                                get_tp_group, set_tp_group)
+
+    _, local, size = attention_group_layout(rank, num_ranks, num_groups)
+    previous, previous_experts = get_tp_group(), get_expert_group()
+    set_tp_group(TensorParallelGroup(local, size), TensorParallelGroup(rank, num_ranks))
+    try:
+        yield
+    finally:
+        set_tp_group(previous, None if previous_experts is previous else previous_experts)
+
+
 def _unit_counts(hf_config, rank: int, size: int) -> tuple[int, ...]:
     """How many heads, MLP columns, routed experts, shared-expert columns and vocabulary rows rank
-    ``rank`` of a plain TP=``size`` DeepSeek-family model holds (``workers/models/deepseek_v32.py``)."""
+    ``rank`` of an even ``size``-way split holds (``workers/models/deepseek_v32.py``)."""
     from shardserve.workers.partition import split_units
 
     shared = hf_config.moe_intermediate_size * (getattr(hf_config, "n_shared_experts", None) or 0)
@@ -58,19 +86,26 @@ def _unit_counts(hf_config, rank: int, size: int) -> tuple[int, ...]:
     return tuple(split_units(count, size, None)[rank][1] if count else 0 for count in units)
 
 
-def _moe_exchange_reserve(model, num_groups: int, num_ranks: int, tokens: int, triton: bool) -> int:
-    """Bytes a MoE layer's token exchange adds to a rank's step reserve: the layer over the
-    tokens of all ``num_groups`` groups instead of its own ``tokens``, and the ``[num_ranks,
-    tokens, hidden]`` all-gather and reduce-scatter buffers (``workers/models/moe_exchange.py``)."""
-    # NOTE: activation.py's per-sublayer term; the exchange itself is the runtime's (issue 29)
-    from shardserve.workers.activation import _moe
+def exchange_reserve(model, num_groups: int, num_ranks: int, tokens: int, triton: bool) -> int:
+    """Bytes the token exchange adds to a rank's step reserve when each of ``num_groups`` groups
+    computes ``tokens`` tokens: the larger of a MoE and a dense MLP sublayer over every group's
+    ``num_groups x tokens`` tokens instead of ``tokens``, plus the gathered ``[num_ranks, tokens,
+    hidden]`` parts, the ``[num_groups x tokens, hidden]`` gathered rows and the ``[num_ranks,
+    tokens, hidden]`` reduce-scatter buffer (``workers/models/group_exchange.py``). 0 for one group."""
+    # NOTE: activation.py's per-sublayer terms; the exchange itself is the runtime's (issue 29)
+    from shardserve.workers.activation import _mlp, _moe
 
-    moe = next((layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")), None)
-    if moe is None or num_groups == 1:
+    if num_groups == 1:
         return 0
-    hidden, d = model.config.hidden_size, dtype_bytes(model)
-    more = _moe(moe, num_groups * tokens, hidden, d, triton) - _moe(moe, tokens, hidden, d, triton)
-    return more + 2 * num_ranks * tokens * hidden * d
+    hidden, d, more = model.config.hidden_size, dtype_bytes(model), 0
+    for layer in model.model.layers:
+        mlp, grow = layer.mlp, None
+        if hasattr(mlp, "experts"):
+            grow = lambda t: _moe(mlp, t, hidden, d, triton)   # noqa: E731
+        else:
+            grow = lambda t: _mlp(mlp, t, hidden, d, triton)   # noqa: E731
+        more = max(more, grow(num_groups * tokens) - grow(tokens))
+    return more + (2 * num_ranks + num_groups) * tokens * hidden * d
 
 
 def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torch.dtype, attention_dp_size: int,
@@ -81,7 +116,8 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
     Args:
         hf_config: the model's config (serving switches applied); MLA + MoE (DeepSeek family).
         ckpt: its checkpoint (:func:`workers.plan.open_for_plan`).
-        config: the replica's settings; ``tensor_parallel_size`` is ``N``.
+        config: the replica's settings; ``tensor_parallel_size`` is ``N``; ``max_num_seqs`` and
+            ``max_num_batched_tokens`` are the replica's step budget (each group gets ``1/D``).
         dtype: the resolved compute dtype.
         attention_dp_size: ``D``, dividing ``N``.
         weight_format: the CPU packing (:func:`workers.quantization.weight_format_for`) or None.
@@ -91,10 +127,11 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
     Returns:
         a :class:`ReplicaPlan` with ``attention_dp_size = D``: ``kv_tokens`` is the replica's
         capacity (``D`` pools), ``ranks[r].kv_tokens`` one group's pool, and ``dp_attention`` the
-        per-rank split of the weights and the plain-TP figures.
+        per-rank split of the weights, the exchange reserve and the plain-TP figures.
 
     Raises:
-        ValueError: ``D`` does not divide ``N``, a split the model cannot take, or no MTP layer.
+        ValueError: ``D`` does not divide ``N``, a budget below one per group, a split the model
+            cannot take, or no MTP layer.
     """
     from shardserve.workers.weight_loader import build_meta_model
 
@@ -102,51 +139,49 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
     if attention_dp_size < 1 or num_ranks % attention_dp_size:
         raise ValueError(f"--attention-dp-size {attention_dp_size} must divide --tensor-parallel-size {num_ranks}")
     group_size = num_ranks // attention_dp_size
-    dp_config = dataclasses.replace(config, decode_graphs="off")   # eager decode under DP attention
+    seqs, tokens = config.max_num_seqs // attention_dp_size, config.max_num_batched_tokens // attention_dp_size
+    if not seqs or not tokens:
+        raise ValueError(f"--max-num-seqs {config.max_num_seqs} / --max-num-batched-tokens "
+                         f"{config.max_num_batched_tokens} leave nothing for each of {attention_dp_size} attention groups")
+    # one group's step; eager decode under DP attention
+    dp_config = dataclasses.replace(config, decode_graphs="off", max_num_seqs=seqs, max_num_batched_tokens=tokens)
     keep_fp8 = config.device == "cuda"
 
     models: dict[tuple, object] = {}
 
-    def build(rank: int, size: int):
-        """Rank ``rank`` of a plain TP=``size`` model; ranks with the same unit counts share one build
-        (their weights and reserves are equal; only the offsets of their slices differ)."""
-        key = (size, _unit_counts(hf_config, rank, size))
+    def build(rank: int, dp: bool):
+        """Rank ``rank``'s model, in the DP-attention layout or plain TP=N; ranks with the same unit
+        counts share one build (their weights and reserves are equal; only their slices' offsets differ)."""
+        key = (dp, rank % group_size if dp else None, _unit_counts(hf_config, rank, num_ranks))
         if key not in models:
-            with as_rank(rank, size):
+            with as_dp_rank(rank, num_ranks, attention_dp_size) if dp else as_rank(rank, num_ranks):
                 models[key] = build_meta_model(hf_config, ckpt, None, dtype, keep_fp8=keep_fp8,
                                                weight_format=weight_format)
         return models[key]
 
-    ranks, plain, routed, rest = [], [], [], []
+    ranks, plain, routed, attention, rest, reserves = [], [], [], [], [], []
     for rank in range(num_ranks):
-        full = build(rank, num_ranks)                      # plain TP=N: its routed experts, and the comparison
-        plain.append(plan_rank(full, config, rank))
-        local = build(rank % group_size, group_size)       # plain TP=G: everything else
+        plain.append(plan_rank(build(rank, dp=False), config, rank))   # the comparison
+        model = build(rank, dp=True)
         draft = None
         if speculative_tokens and rank % group_size == 0:
             from shardserve.workers.models.mtp import build_mtp_meta_model
 
             with as_rank(0, group_size):
                 draft = build_mtp_meta_model(hf_config, ckpt, dtype)
-        plan = plan_rank(local, dp_config, rank, draft)
-        weights = dict(plan.weight_bytes_by_dtype)
-        for name, size in routed_expert_bytes(local).items():
-            weights[name] -= size
-        rest.append(sum(weights.values()))
-        mine = routed_expert_bytes(full)
-        routed.append(sum(mine.values()))
-        for name, size in mine.items():
-            weights[name] = weights.get(name, 0) + size
-        plan.weight_bytes_by_dtype = {name: size for name, size in weights.items() if size}
-        plan.activation_bytes += _moe_exchange_reserve(local, attention_dp_size, num_ranks,
-                                                       min(config.max_num_batched_tokens, config.max_model_len),
-                                                       config.triton)
+        plan = plan_rank(model, dp_config, rank, draft)
+        routed.append(sum(routed_expert_bytes(model).values()))
+        attention.append(attention_bytes(model))
+        rest.append(plan.weight_bytes - routed[-1] - attention[-1])
+        reserves.append(exchange_reserve(model, attention_dp_size, num_ranks, tokens, config.triton))
+        plan.activation_bytes += reserves[-1]
         ranks.append(plan.solve(dp_config))
     plain_blocks = min(rank.kv_blocks for rank in plain)
     replica = ReplicaPlan(ranks, config.max_model_len, attention_dp_size=attention_dp_size)
     replica.dp_attention = {
         "attention_dp_size": attention_dp_size, "group_size": group_size,
-        "routed_expert_bytes": routed, "other_weight_bytes": rest,
+        "group_max_num_batched_tokens": tokens, "group_max_num_seqs": seqs,
+        "attention_bytes": attention, "routed_expert_bytes": routed, "other_weight_bytes": rest, "exchange_reserve_bytes": reserves,
         "kv_tokens_per_group": replica.kv_blocks * config.block_size,
         "plain_tp_weight_bytes": [rank.weight_bytes for rank in plain],
         "plain_tp_kv_tokens": plain_blocks * config.block_size,
@@ -166,9 +201,12 @@ def summary_lines(plan: ReplicaPlan) -> list[str]:
     groups, size, plain = info["attention_dp_size"], info["group_size"], info["plain_tp_kv_tokens"]
     ratio = f"{plan.kv_tokens / plain:.2f}x" if plain else "plain TP holds no block"
     return [
-        f"DP attention: {groups} attention group(s) of {size} rank(s); per rank: routed experts "
-        f"{size_text(info['routed_expert_bytes'][0])} (1/{num_ranks} of them) + attention, dense MLPs, shared "
-        f"experts, embedding and LM head {size_text(info['other_weight_bytes'][0])} (1/{size}) = "
-        f"{size_text(first.weight_bytes)} (plain TP={num_ranks}: {size_text(info['plain_tp_weight_bytes'][0])})",
+        f"DP attention: {groups} attention group(s) of {size} rank(s); per rank: attention (MLA + indexer, 1/{size}) "
+        f"{size_text(info['attention_bytes'][0])} + routed experts {size_text(info['routed_expert_bytes'][0])} "
+        f"+ dense MLPs, shared experts, embedding, LM head (1/{num_ranks}), norms and routers "
+        f"{size_text(info['other_weight_bytes'][0])} = {size_text(first.weight_bytes)} (plain TP={num_ranks}: "
+        f"{size_text(info['plain_tp_weight_bytes'][0])}); step budget per group: "
+        f"{info['group_max_num_batched_tokens']} tokens, {info['group_max_num_seqs']} sequences; exchange reserve "
+        f"{size_text(info['exchange_reserve_bytes'][0])}",
         f"KV cache per replica: {groups} group(s) x {plan.kv_blocks} blocks x {first.block_size} = {plan.kv_tokens} "
         f"tokens; plain TP={num_ranks}: {plain} tokens ({ratio})"]

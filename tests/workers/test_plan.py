@@ -45,13 +45,14 @@ def fp8_bytes(rows: int, cols: int) -> int:
     return rows * cols + math.ceil(rows / 128) * math.ceil(cols / 128) * 4
 
 
-def v32_rank_weight_bytes(tp: int, routed: bool = True) -> int:
+def v32_rank_weight_bytes(tp: int, routed: bool = True, attention_tp: int | None = None) -> int:
     """One rank's weights of DeepSeek-V3.2 FP8 at an even split of ``tp`` ranks, from the config's
     numbers: FP8 linear layers (attention, dense MLPs, routed and shared experts, the indexer's
     wq_b / wk) with their scales; bf16 embeddings, LM head, norms and kv_b_proj (absorbed decode
     reads it, so it is dequantized); float32 router and indexer head weights (as transformers and
-    DeepSeek's inference code keep them). ``routed=False``: without the routed experts."""
-    hidden, layers, vocab, heads = 7168, 61, 129280, 128 // tp
+    DeepSeek's inference code keep them). ``routed=False``: without the routed experts;
+    ``attention_tp``: the heads split over that many ranks instead (DP attention's group size)."""
+    hidden, layers, vocab, heads = 7168, 61, 129280, 128 // (attention_tp or tp)
     q_lora, kv_lora, rope, nope, v_dim = 1536, 512, 64, 128, 128
     dense_layers, inter, moe_inter, experts = 3, 18432 // tp, 2048, 256 // tp
     index_heads, index_dim, shared = 64, 128, 2048 // tp
@@ -147,31 +148,34 @@ def test_bad_models_are_one_line(tmp_path, v32_fp8, capsys):
 
 
 def test_dp_attention_plan_of_deepseek_v32_fp8_on_eight_h200s(v32_fp8, capsys):
-    """Issue 29: with ``--enable-dp-attention`` (8 groups of 1 rank) each rank holds 1/8 of the
-    routed experts and a whole copy of everything else (attention, dense MLPs, shared experts,
-    embedding, LM head), and the replica's KV capacity is 8 pools. The per-rank weights are checked
-    against the config's arithmetic; both KV figures are printed. NOTE: the issue asked for at least
-    6x the TP=8 figure; with this layout the replicated weights (+15.46 GiB a rank) and the MoE
-    exchange's reserve leave 3.96x at the default 2048 tokens per group step, and at 256 per group
-    5.08x (5.15x against TP=8 at its default 2048: the same tokens per replica step)."""
+    """Issue 29: with ``--enable-dp-attention`` (8 groups of 1 rank) each rank holds all attention
+    heads (MLA + indexer) and 1/8 of everything else (routed and shared experts, dense MLPs,
+    embedding, LM head: SGLang's layout), each group steps over 1/8 of the replica's
+    ``--max-num-batched-tokens``, and the replica's KV capacity is 8 pools: at least 6x plain
+    TP=8's at the default settings (6.32x at --max-model-len 32768). The per-rank weights are
+    checked against the config's arithmetic; both KV figures are printed."""
     argv = [v32_fp8, "-tp", 8, "--gpu-memory-gib", 141, "--max-model-len", 32768, "--enable-dp-attention"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if line.startswith("KV cache per replica")]
     groups, tokens, plain, ratio = re.fullmatch(r"KV cache per replica: (\d) group\(s\) x \d+ blocks x 16 = (\d+) "
                                                 r"tokens; plain TP=8: (\d+) tokens \((\S+)x\)", line).groups()
-    assert groups == "8" and int(tokens) / int(plain) == pytest.approx(float(ratio), abs=0.01) and float(ratio) > 3.9
+    assert groups == "8" and int(tokens) / int(plain) == pytest.approx(float(ratio), abs=0.01)
+    assert int(tokens) >= 6 * int(plain), line
 
-    code, out, err = run(capsys, *argv, "--max-num-batched-tokens", 256, "--json")   # 2048 per replica step
+    code, out, err = run(capsys, *argv, "--json")
     assert code == 0, err
     plan = json.loads(out)
     info, ranks = plan["dp_attention"], plan["ranks"]
     routed = v32_rank_weight_bytes(8) - v32_rank_weight_bytes(8, routed=False)
     for rank in ranks:
-        assert rank["weight_bytes"] == v32_rank_weight_bytes(1, routed=False) + routed, rank["rank"]
+        assert rank["weight_bytes"] == v32_rank_weight_bytes(8, attention_tp=1), rank["rank"]
         assert rank["graph_bytes"] == 0 and rank["fits"]   # eager decode under DP attention
     assert info["routed_expert_bytes"] == [routed] * 8
     assert info["plain_tp_weight_bytes"] == [v32_rank_weight_bytes(8)] * 8
-    assert plan["attention_dp_size"] == 8 and plan["kv_tokens"] == 8 * ranks[0]["kv_tokens"]
-    assert plan["kv_tokens"] >= 5 * info["plain_tp_kv_tokens"] > 5 * 32768, (plan["kv_tokens"],
-                                                                             info["plain_tp_kv_tokens"])
+    assert info["group_max_num_batched_tokens"] == 2048 // 8 and info["group_max_num_seqs"] == 64 // 8
+    assert plan["attention_dp_size"] == 8 and plan["kv_tokens"] == 8 * ranks[0]["kv_tokens"] == int(tokens)
+    with capsys.disabled():
+        print(f"\nDeepSeek-V3.2 FP8, 8 x 141 GiB, --max-model-len 32768: KV tokens per replica TP=8 {plain}, "
+              f"DP attention {tokens} ({ratio}x); per rank {ranks[0]['weight_bytes'] / GIB:.2f} GiB of weights "
+              f"(TP=8: {info['plain_tp_weight_bytes'][0] / GIB:.2f} GiB)")
