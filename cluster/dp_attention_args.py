@@ -2,12 +2,14 @@
 
 ``--enable-dp-attention`` (SGLang's name) splits a replica's ``N = --tensor-parallel-size`` ranks
 into ``D = --attention-dp-size`` attention groups of ``G = N / D`` consecutive ranks. Each group is a
-plain tensor-parallel group of ``G`` ranks for MLA (and the DSA indexer), the dense MLP layers, the
-shared experts, the embedding and the LM head, and runs attention over its own requests with its
-own KV + indexer cache pool; only the routed experts are split over all ``N`` ranks (expert
-parallel), and the MoE layers exchange tokens between the groups (``--moe-a2a allgather``: gather
-every group's hidden states, reduce-scatter the outputs; ``alltoall``: each token goes only to the
-ranks holding its chosen experts). Under plain TP every rank of an MLA model stores every token's
+plain tensor-parallel group of ``G`` ranks for MLA (and the DSA indexer) and runs attention over its
+own requests with its own KV + indexer cache pool; the routed experts (expert parallel), the dense
+MLP layers, the shared experts, the embedding and the LM head are split over all ``N`` ranks and run
+on every group's tokens (SGLang's layout; ``workers/models/group_exchange.py``), and the MoE layers
+exchange tokens between the groups (``--moe-a2a allgather``: gather every group's hidden states,
+reduce-scatter the outputs; ``alltoall``: each token goes only to the ranks holding its chosen
+experts). ``--max-num-batched-tokens`` / ``--max-num-seqs`` are the replica's step budget, 1/D of it
+per group. Under plain TP every rank of an MLA model stores every token's
 latent (one latent head), so a replica's cache holds what one rank holds; with ``D`` groups it holds
 ``D`` times that. The layout pays for MLA + MoE models only (DeepSeek-V3 / V3.2, GLM-5): without MLA
 the KV cache already splits by head under TP, without MoE there is nothing to run expert-parallel.

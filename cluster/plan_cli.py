@@ -7,8 +7,8 @@ by storage format, the KV / indexer / draft bytes per token, the activation and 
 the KV blocks, tokens and concurrent sequences that fit; exit code 0 when it fits, 2 with one line
 naming the numbers when it does not. ``--json`` prints the plan as one JSON object.
 ``--enable-dp-attention`` plans the data-parallel-attention layout (``workers/plan_dp.py``): per-rank
-weights with attention replicated over its group, and the replica's KV capacity in tokens (one pool
-per attention group) beside plain TP's at the same ranks.
+weights with attention split over its group and everything else over all ranks, and the replica's
+KV capacity in tokens (one pool per attention group) beside plain TP's at the same ranks.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ NOTE: one of the two module-level globals of the workers (the other is the forwa
 ``workers/forward_context.py``). A process has one TP group, set once at worker start-up by
 :func:`set_tp_group`; layers read it through :func:`get_tp_group`. At ``tp_size == 1`` every
 collective is the identity and costs nothing. With data-parallel attention (issue 29) the global
-is a pair: the TP group is the rank's *attention group* (the G ranks that split attention, dense
-layers, shared experts and the LM head among themselves) and :func:`get_expert_group` is the group
-of all N ranks of the replica, over which the routed experts are split; without it the expert
-group is the TP group itself.
+is a pair: the TP group is the rank's *attention group* (the G ranks that split MLA and the DSA
+indexer among themselves) and :func:`get_expert_group` is the group of all N ranks of the replica,
+over which the routed and shared experts, the dense MLPs, the embedding and the LM head are split
+(``workers/models/group_exchange.py``); without it the expert group is the TP group itself.
 
 Backends (pick with :func:`collective_kind`): ``shm`` (shared-memory all-reduce for CPU ranks on
 one node, ``workers/comm_cpu.py``), ``gloo`` (torch.distributed, CPU ranks on several nodes), and

@@ -142,7 +142,8 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
     seqs, tokens = config.max_num_seqs // attention_dp_size, config.max_num_batched_tokens // attention_dp_size
     if not seqs or not tokens:
         raise ValueError(f"--max-num-seqs {config.max_num_seqs} / --max-num-batched-tokens "
-                         f"{config.max_num_batched_tokens} leave nothing for each of {attention_dp_size} attention groups")
+                         f"{config.max_num_batched_tokens} leave nothing for each of {attention_dp_size} "
+                         "attention groups")
     # one group's step; eager decode under DP attention
     dp_config = dataclasses.replace(config, decode_graphs="off", max_num_seqs=seqs, max_num_batched_tokens=tokens)
     keep_fp8 = config.device == "cuda"
@@ -181,7 +182,8 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
     replica.dp_attention = {
         "attention_dp_size": attention_dp_size, "group_size": group_size,
         "group_max_num_batched_tokens": tokens, "group_max_num_seqs": seqs,
-        "attention_bytes": attention, "routed_expert_bytes": routed, "other_weight_bytes": rest, "exchange_reserve_bytes": reserves,
+        "attention_bytes": attention, "routed_expert_bytes": routed, "other_weight_bytes": rest,
+        "exchange_reserve_bytes": reserves,
         "kv_tokens_per_group": replica.kv_blocks * config.block_size,
         "plain_tp_weight_bytes": [rank.weight_bytes for rank in plain],
         "plain_tp_kv_tokens": plain_blocks * config.block_size,

@@ -47,6 +47,8 @@ def configs(tmp_path_factory) -> dict[str, Path]:
                                                               "tensor-parallel-size / D ranks; try one of 1, 2, 4)"),
     ({"enable_dp_attention": True, "attention_dp_size": 0}, "--attention-dp-size 0 must be >= 1"),
     ({"enable_dp_attention": True, "tensor_split": [2, 1, 1, 1]}, "--tensor-split 2,1,1,1 is uneven"),
+    ({"enable_dp_attention": True, "max_num_batched_tokens": 3}, "--max-num-batched-tokens 3 is the replica's step "
+                                                                  "budget, split over its 4 attention groups"),
 ])
 def test_inconsistent_flags_are_refused_by_engine_and_serve_args(fields, message):
     with pytest.raises(ValueError) as exc:
@@ -63,6 +65,12 @@ def test_consistent_flags_pass_and_resolve_the_groups():
         args = EngineArgs(tensor_parallel_size=4, enable_dp_attention=True, **fields)
         args.validate()
         assert args.attention_groups == groups
+    # the step budget is the replica's: each group's runner (and scheduler, test_dp_engine.py) gets 1/D
+    dp = EngineArgs(tensor_parallel_size=4, enable_dp_attention=True, attention_dp_size=2, max_num_seqs=9,
+                    max_num_batched_tokens=2049).runner_config()
+    plain = EngineArgs(tensor_parallel_size=4, max_num_seqs=9, max_num_batched_tokens=2049).runner_config()
+    assert (dp.max_num_seqs, dp.max_num_batched_tokens, plain.max_num_seqs, plain.max_num_batched_tokens) == \
+        (4, 1024, 9, 2049)
     serve = ServeArgs.from_dict({"tensor_parallel_size": 4, "enable_dp_attention": True, "moe_a2a": "alltoall"})
     engine = serve.engine_args()
     assert (engine.enable_dp_attention, engine.attention_dp_size, engine.moe_a2a) == (True, None, "alltoall")

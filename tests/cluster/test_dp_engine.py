@@ -41,6 +41,9 @@ def run_step(engine: DataParallelEngine, token: int = 5) -> list:
 
 def test_placement_steps_and_pooled_views(tokenizer):
     engine = make_engine(tokenizer)
+    # the replica's step budget (8 sequences, 64 tokens) is split over the groups, as SGLang does
+    assert [(c.scheduler.config.max_num_seqs, c.scheduler.config.max_num_batched_tokens) for c in engine.cores] == \
+        [(4, 32), (4, 32)]
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prefix = list(range(10, 26))                                 # 16 tokens: 4 full blocks
     assert engine.add_request(prefix + [40], greedy, "a") == "a"   # group 0 (tie: lowest index)

@@ -30,8 +30,9 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 BLOCK_SIZE, BLOCKS_PER_GROUP, MAX_MODEL_LEN = 4, 12, 48
 _gen = torch.Generator().manual_seed(7)
-# Prompts of 18-24 tokens (prefilled in chunks of at most 16) fit two to a group (<= 12 blocks), but
-# any two of them decoding to the end need 15-16 blocks: each group must preempt one.
+# Prompts of 18-24 tokens (prefilled in chunks of at most 16: the replica's step budget over D groups)
+# fit two to a group (<= 12 blocks), but any two of them decoding to the end need 15-16 blocks: each
+# group must preempt one.
 PROMPTS = [torch.randint(2, 128, (n,), generator=_gen).tolist() for n in (24, 20, 22, 18)]
 MAX_TOKENS = [8, 10, 8, 10]
 
@@ -72,7 +73,8 @@ def test_dp_attention_cluster_greedy_equals_transformers(tmp_path, ray_cluster, 
     assert [r["kv_blocks"] for r in plain["ranks"]] == [BLOCKS_PER_GROUP] * world
     args = EngineArgs(model=str(folder), tensor_parallel_size=world, enable_dp_attention=True,
                       attention_dp_size=num_groups, moe_a2a=mode, block_size=BLOCK_SIZE, kv_cache_gib=kv_cache_gib,
-                      max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16, enable_prefix_caching=False)
+                      max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16 * num_groups,   # 16 a group
+                      enable_prefix_caching=False)
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1))
     try:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]

@@ -84,6 +84,12 @@ class DeepseekModel(nn.Module):
             layer's top-k) or ``"none"`` (dense MLA).
         indexer_rope_interleaved / hadamard / indexer_cache_dtype / dsa_sink: indexer options (see
             :class:`DSAIndexer`).
+
+    Under data-parallel attention (an expert group larger than the TP group, issue 29) MLA and the
+    indexer are split over the TP group (the attention group), and the embedding, the dense MLPs,
+    the routed and shared experts over the expert group, exchanging tokens between the groups
+    (:mod:`workers.models.group_exchange`, :mod:`workers.models.moe_exchange`); ``vocab_rank`` is
+    this rank's index into ``vocab_ranges`` (the LM head's split too).
     """
 
     def __init__(self, config, tensor_split: list[float] | None, dtype: torch.dtype, indexer_types: list[str],

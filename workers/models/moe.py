@@ -10,9 +10,9 @@ are the unbiased ``s``, normalized to sum 1 when ``norm_topk_prob``, times
 Tensor parallel (DESIGN.md): routed experts are split across ranks in whole experts (possibly
 unevenly), the router is replicated, shared experts split their intermediate dim like a dense
 MLP. Each rank sums its local experts' and its shared-expert slice's partial outputs, and the
-layer does one all-reduce. With data-parallel attention the routed experts span every rank of the
-replica while the shared experts stay in the attention group, and the layer exchanges tokens
-between groups instead (``workers/models/moe_exchange.py``).
+layer does one all-reduce. With data-parallel attention the routed experts and the shared experts'
+intermediate dim span every rank of the replica, and the layer exchanges tokens between the
+attention groups instead (``workers/models/moe_exchange.py``).
 """
 
 from __future__ import annotations
