@@ -258,6 +258,13 @@ class ModelRunner:
             draft = build_mtp_meta_model(self.hf_config, self.checkpoint, self.dtype)
         self._plan_config = self.plan_config()
         self.plan = plan_rank(meta_model, self._plan_config, get_tp_group().tp_rank, draft)
+        if self.config.attention_dp_size > 1:   # the layers run over every group's tokens (as `plan` plans it)
+            from shardserve.workers.plan_dp import exchange_reserve
+
+            self.plan.activation_bytes += exchange_reserve(meta_model, self.config.attention_dp_size,
+                                                           get_expert_group().tp_size,
+                                                           self.config.max_num_batched_tokens, self._plan_config.triton)
+            self.plan.solve(self._plan_config)
         logger.info("plan: %s", self.plan.summary())
         check_plan(self.plan)
 
