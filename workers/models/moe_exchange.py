@@ -24,9 +24,14 @@ A group with nothing to do in a step (an empty plan) still joins every exchange 
 layer by layer (:meth:`workers.models.deepseek_v32.DeepseekModel.idle_forward`), so the collectives
 stay in step.
 
-On CUDA neither exchange is captured in a decode graph: the token counts change every step, so
-under data-parallel attention decode runs eagerly (``ModelRunner.graph_backend`` is None), as does
-the forward without ``torch.compile``.
+On CUDA neither exchange is captured in a decode graph: the token counts change every step (and
+``alltoall`` reads its per-destination counts back to the host), so under data-parallel attention
+decode runs eagerly (``ModelRunner.graph_backend`` is None) and the forward is not
+``torch.compile``'d. With G > 1, ``allgather`` moves each group's rows G times (every rank of the
+group sends them; only the first copy is used) and ``alltoall`` shares a group's tokens out among
+its ranks instead. Collectives: ``all_gather_equal`` / ``reduce_scatter`` / ``all_to_all`` of
+:class:`workers.distributed.TensorParallelGroup` (shm and gloo on CPU, NCCL on GPU: ``ncclReduceScatter``
+and grouped ``ncclSend`` / ``ncclRecv``, untested here for want of a GPU).
 """
 
 from __future__ import annotations
