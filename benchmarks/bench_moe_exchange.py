@@ -28,7 +28,7 @@ def build(mode: str, rank: int):
     from shardserve.workers.partition import split_units
 
     shared = CONFIG.moe_intermediate_size * CONFIG.n_shared_experts
-    shared_range = split_units(shared, 2)[rank] if mode == "tp" else (0, shared)
+    shared_range = split_units(shared, 2)[rank]   # over both ranks in every mode (group_exchange.py's layout)
     moe = DeepseekMoE(CONFIG, split_units(CONFIG.n_routed_experts, 2)[rank], shared_range, torch.float32,
                       None if mode == "tp" else mode)
     gen = torch.Generator().manual_seed(0)

@@ -29,9 +29,10 @@ On CUDA neither exchange is captured in a decode graph: the token counts change 
 decode runs eagerly (``ModelRunner.graph_backend`` is None) and the forward is not
 ``torch.compile``'d. With G > 1, ``allgather`` moves each group's rows G times (every rank of the
 group sends them; only the first copy is used) and ``alltoall`` shares a group's tokens out among
-its ranks instead. Collectives: ``all_gather_equal`` / ``reduce_scatter`` / ``all_to_all`` of
-:class:`workers.distributed.TensorParallelGroup` (shm and gloo on CPU, NCCL on GPU: ``ncclReduceScatter``
-and grouped ``ncclSend`` / ``ncclRecv``, untested here for want of a GPU).
+its ranks instead (its shared experts still see every group's tokens, as a dense layer does).
+Collectives: ``all_gather_equal`` / ``reduce_scatter`` / ``all_to_all`` of
+:class:`workers.distributed.TensorParallelGroup` (shm and gloo on CPU, NCCL on GPU:
+``ncclReduceScatter`` and grouped ``ncclSend`` / ``ncclRecv``, untested here for want of a GPU).
 """
 
 from __future__ import annotations
