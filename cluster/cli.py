@@ -48,9 +48,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length in tokens, prompt + output (default: the model's, lowered to what "
                              "the KV cache holds; a value the KV cache cannot hold is an error)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step at most")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="sequences per engine step at most (the replica's: 1/D a group, --enable-dp-attention)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens per engine step at most (prefill chunks included)")
+                        help="tokens per engine step at most, prefill chunks included (the replica's: 1/D per "
+                             "attention group with --enable-dp-attention)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of equal prefixes")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the sampling generators, an integer (default: 0 for the engine; generate: "
