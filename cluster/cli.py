@@ -18,6 +18,7 @@ import sys
 
 from shardserve.cluster import cli_agents, generate_controls
 from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
+from shardserve.cluster.dp_attention_args import add_dp_attention_flags, check_dp_attention_start, dp_attention_fields
 from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
@@ -87,6 +88,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default="none",
                         help="weight-only quantization of a float checkpoint at load time (CPU): int8 per "
                              "output row, int4 per group of 32")
+    add_dp_attention_flags(parser)
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +138,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
                       speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
                       device=ns.device, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager, quantization=ns.quantization, compile=ns.compile,
-                      recovery_timeout=getattr(ns, "recovery_timeout", 300.0))
+                      recovery_timeout=getattr(ns, "recovery_timeout", 300.0), **dp_attention_fields(ns))
 
 
 def _group_config(ns: argparse.Namespace):
@@ -269,6 +271,7 @@ def _serve_grpc(ns: argparse.Namespace) -> int:
     args, group, front = _engine_args(ns), _group_config(ns), front_config(ns)
     args.validate()
     check_model(args.model)
+    check_dp_attention_start(args)
     refuse_exposed(ns.host, front.requires_key, ns.allow_unauthenticated, "--host")
     stop = _interrupt_event()
     num_workers = args.tensor_parallel_size   # the MTP draft worker shares rank 0's bundle
@@ -325,7 +328,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         device=ns.device, dtype=ns.dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
         recovery_timeout=ns.recovery_timeout, quantization=ns.quantization, compile=ns.compile,
-        **serve_args_fields(ns, read_keys), **cli_agents.parser_settings(ns), **scaling_args_fields(ns))
+        **serve_args_fields(ns, read_keys), **cli_agents.parser_settings(ns), **scaling_args_fields(ns),
+        **dp_attention_fields(ns))
 
 
 def _wait_until_serving(url: str, app_name: str, timeout_s: float) -> dict:
@@ -392,6 +396,7 @@ def _serve(ns: argparse.Namespace) -> int:
     refuse_exposed(ns.host, keyed, ns.allow_unauthenticated, "--host")
     cfg.validate()   # refuses a non-loopback --grpc-host without a key too (unless --allow-unauthenticated)
     check_tls_pair(ns.ssl_certfile, ns.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
+    check_dp_attention_start(cfg.engine_args())
     stop = _interrupt_event()
     num_workers = cfg.max_num_replicas() * (len(cfg.replica_bundles()) - 1)
     if not ns.address:
@@ -589,6 +594,7 @@ def _generate(ns: argparse.Namespace) -> int:
     args = _engine_args(ns)
     args.validate()
     check_model(args.model)
+    check_dp_attention_start(args)
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
     output = None
     if agent is not None:   # tools or parsers: render here, send token ids, print the parsed answer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from shardserve.cluster.dp_attention_args import check_dp_attention_args, check_dp_attention_model
 from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
@@ -96,7 +97,8 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raises ValueError for inconsistent settings (``--quantization`` with a GGUF model among
-        them: its weights are quantized already). Reads no model file."""
+        them: its weights are quantized already; the DP-attention flags:
+        :func:`cluster.dp_attention_args.check_dp_attention_args`). Reads no model file."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -135,6 +137,7 @@ class EngineArgs:
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")
+        check_dp_attention_args(self)   # --enable-dp-attention / --attention-dp-size / --moe-a2a
 
     def runner_config(self):
         """The ranks' :class:`workers.model_runner.RunnerConfig` (``auto`` device and dtype are
@@ -146,7 +149,16 @@ class EngineArgs:
                             dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            seed=self.seed, quantization=self.quantization, compile=self.compile)
+                            seed=self.seed, quantization=self.quantization, compile=self.compile,
+                            attention_dp_size=self.attention_groups, moe_a2a=self.moe_a2a)
+
+    @property
+    def attention_groups(self) -> int:
+        """Attention groups ``D`` of the replica: 1 without ``enable_dp_attention`` (plain TP), else
+        ``attention_dp_size`` (default: every rank its own group, ``tensor_parallel_size``)."""
+        if not self.enable_dp_attention:
+            return 1
+        return self.attention_dp_size or self.tensor_parallel_size
 
     def draft_buffer_sizes(self):
         """What the buffers rank 0 shares with the MTP draft worker must hold
@@ -162,7 +174,8 @@ class EngineArgs:
         Raises:
             ValueError: ``max_model_len`` is more than the model's context length
                 (``max_position_embeddings``: the length of its RoPE table; positions past it have no
-                rotation), as vLLM refuses it.
+                rotation), as vLLM refuses it; ``enable_dp_attention`` on a model without MLA or
+                without MoE (:func:`cluster.dp_attention_args.check_dp_attention_model`).
         """
         from shardserve.workers.model_source import model_context_length
 
@@ -171,6 +184,7 @@ class EngineArgs:
             raise ValueError(f"--max-model-len {self.max_model_len} is more than this model's context length, "
                              f"{limit} tokens (max_position_embeddings in its config); lower --max-model-len to at "
                              f"most {limit}")
+        check_dp_attention_model(self, hf_config)
 
     def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
         """The context length to serve: one sequence of that length must fit the KV pool

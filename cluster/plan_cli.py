@@ -6,6 +6,9 @@ checkpoint's metadata or from a folder holding only ``config.json``, and planned
 by storage format, the KV / indexer / draft bytes per token, the activation and graph reserves, and
 the KV blocks, tokens and concurrent sequences that fit; exit code 0 when it fits, 2 with one line
 naming the numbers when it does not. ``--json`` prints the plan as one JSON object.
+``--enable-dp-attention`` plans the data-parallel-attention layout (``workers/plan_dp.py``): per-rank
+weights with attention replicated over its group, and the replica's KV capacity in tokens (one pool
+per attention group) beside plain TP's at the same ranks.
 """
 
 from __future__ import annotations
@@ -90,11 +93,21 @@ def build_plan(ns: argparse.Namespace, args):
         block_size=args.block_size, max_model_len=min(args.max_model_len or model_len, model_len),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, triton=device == "cuda" and _cuda_kernels())
-    plan = plan_replica(hf_config, ckpt, config, dtype, args.tensor_split, args.quantization,
-                        args.speculative_tokens)
+    groups = args.attention_groups
+    if args.enable_dp_attention:
+        from shardserve.workers.plan_dp import plan_dp_replica
+        from shardserve.workers.quantization import weight_format_for
+
+        fmt = (weight_format_for(dtype, args.quantization, isinstance(ckpt, GGUFCheckpoint))
+               if device == "cpu" else None)
+        plan = plan_dp_replica(hf_config, ckpt, config, dtype, groups, fmt, args.speculative_tokens)
+    else:
+        plan = plan_replica(hf_config, ckpt, config, dtype, args.tensor_split, args.quantization,
+                            args.speculative_tokens)
     source = "config.json only" if not any(Path(files.path).glob("*.safetensors")) and not files.is_gguf else "checkpoint"
+    layout = f" (DP attention: {groups} groups, --moe-a2a {args.moe_a2a})" if args.enable_dp_attention else ""
     plan.notes.append(f"{files.name} ({type(hf_config).__name__.removesuffix('Config')}, {source}), "
-                      f"TP={args.tensor_parallel_size}, {str(dtype).removeprefix('torch.')}, {device}")
+                      f"TP={args.tensor_parallel_size}{layout}, {str(dtype).removeprefix('torch.')}, {device}")
     return plan
 
 
@@ -139,7 +152,11 @@ def _table(plan) -> str:
 
 
 def run_plan(ns: argparse.Namespace, args) -> int:
-    """``shardserve plan``: print the plan; 0 when it fits, 2 (and one line on stderr) when not."""
+    """``shardserve plan``: print the plan; 0 when it fits, 2 (and one line on stderr) when not.
+    With ``--enable-dp-attention`` the plan is :func:`workers.plan_dp.plan_dp_replica`'s, and the
+    replica's KV capacity is printed beside plain TP's at the same ranks."""
+    from shardserve.workers.plan_dp import summary_lines
+
     args.model = ns.model_arg or args.model
     plan = build_plan(ns, args)
     if ns.json:
@@ -148,9 +165,13 @@ def run_plan(ns: argparse.Namespace, args) -> int:
         first = plan.ranks[0]
         print(f"shardserve plan: {plan.notes[0]}, --max-model-len {plan.max_model_len}, block {first.block_size}")
         print(_table(plan))
+        for line in summary_lines(plan):
+            print(line)
         if plan.fits:
-            print(f"fits: {plan.kv_blocks} KV blocks on every rank = {plan.kv_blocks * first.block_size} tokens, "
-                  f"{plan.kv_blocks // first.blocks_per_seq} concurrent sequences of {plan.max_model_len} tokens")
+            pools = f" in each of {plan.attention_dp_size} attention groups" if plan.attention_dp_size > 1 else ""
+            print(f"fits: {plan.kv_blocks} KV blocks on every rank{pools} = {plan.kv_tokens} tokens per replica, "
+                  f"{plan.attention_dp_size * (plan.kv_blocks // first.blocks_per_seq)} concurrent sequences of "
+                  f"{plan.max_model_len} tokens")
     if not plan.fits:
         print(f"shardserve: error: {plan.reason}", file=sys.stderr)
         return 2

@@ -62,6 +62,7 @@ from ray import serve
 
 from shardserve.cluster.autoscaling import ONGOING_REQUESTS, autoscaling_config, push_interval_env
 from shardserve.cluster.config import EngineArgs
+from shardserve.cluster.dp_attention_args import check_dp_attention_start
 from shardserve.cluster.frontend.chat_output import ParserConfig
 from shardserve.cluster.frontend.openai_app import OPEN_ROUTES, build_openai_app
 from shardserve.cluster.frontend.openai_router import RouterCore
@@ -122,7 +123,8 @@ class ServeArgs:
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             dsa_sink, speculative_tokens, speculative_policy, device, dtype, gpu_memory_utilization, enforce_eager,
-            recovery_timeout, quantization, compile: engine settings (see EngineArgs). ``device="cuda"`` with
+            recovery_timeout, quantization, compile, enable_dp_attention, attention_dp_size, moe_a2a: engine
+            settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
             api_key_file: a file with one key per line. Neither: ``$SHARDSERVE_API_KEY``, else none
@@ -188,6 +190,9 @@ class ServeArgs:
     recovery_timeout: float = 300.0
     quantization: str = "none"
     compile: str = "off"
+    enable_dp_attention: bool = False
+    attention_dp_size: int | None = None
+    moe_a2a: str = "allgather"
     api_key: str | list[str] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     api_key_sha256: list[str] | None = None
@@ -321,7 +326,9 @@ class ServeArgs:
                           speculative_policy=self.speculative_policy, device=self.device,
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                           enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
-                          quantization=self.quantization, compile=self.compile)
+                          quantization=self.quantization, compile=self.compile,
+                          enable_dp_attention=self.enable_dp_attention, attention_dp_size=self.attention_dp_size,
+                          moe_a2a=self.moe_a2a)
 
     def worker_gpus(self) -> float:
         """GPUs in each worker's bundle: ``gpus_per_worker``, or 1 when ``device="cuda"`` left it 0."""
@@ -570,7 +577,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     :class:`ServeArgs`).
 
     Raises:
-        ValueError: unknown or inconsistent arguments.
+        ValueError: unknown or inconsistent arguments (``enable_dp_attention`` on a model without MLA
+            or MoE, or in a build without the DP-attention runtime, among them).
         FileNotFoundError: the model is neither a known name nor an existing path.
     """
     from ray.serve.config import RequestRouterConfig
@@ -579,6 +587,7 @@ def build_app(args: dict | None = None) -> serve.Application:
 
     cfg = ServeArgs.from_dict(args)
     check_model(cfg.model)
+    check_dp_attention_start(cfg.engine_args())   # MLA + MoE model, and a build that runs it
     # Keys are read once, here (the environment of whoever builds the app); only digests go on.
     cfg = cfg.with_key_digests()
     shutdown_s = cfg.drain_timeout_s + _SHUTDOWN_MARGIN_S   # Serve kills a stopping replica after this

@@ -353,15 +353,25 @@ def as_rank(rank: int, tp_size: int):
 
 @dataclass(slots=True)
 class ReplicaPlan:
-    """Every rank's plan; the replica allocates the smallest block count of any rank."""
+    """Every rank's plan; the replica allocates the smallest block count of any rank, in each of
+    its ``attention_dp_size`` KV pools (one per attention group, data-parallel attention:
+    ``workers/plan_dp.py``, whose details are in ``dp_attention``; one pool under plain TP)."""
 
     ranks: list[RankPlan]
     max_model_len: int
     notes: list[str] = field(default_factory=list)
+    attention_dp_size: int = 1
+    dp_attention: dict | None = None
 
     @property
     def kv_blocks(self) -> int:
+        """Blocks of each pool (the smallest count of any rank)."""
         return min(rank.kv_blocks for rank in self.ranks)
+
+    @property
+    def kv_tokens(self) -> int:
+        """The replica's KV capacity in tokens: every pool's blocks x block size."""
+        return self.attention_dp_size * self.kv_blocks * self.ranks[0].block_size
 
     @property
     def fits(self) -> bool:
@@ -374,12 +384,15 @@ class ReplicaPlan:
 
     def to_json(self) -> str:
         """``{"fits", "ranks": [{"rank", "device_bytes", "weight_bytes", "kv_bytes_per_token",
-        "kv_tokens", "fits", ...}], "kv_blocks", "kv_tokens", "max_model_len", ...}``."""
+        "kv_tokens", "fits", ...}], "kv_blocks", "kv_tokens", "max_model_len", "attention_dp_size",
+        "dp_attention", ...}``: ``kv_tokens`` and ``max_concurrent_seqs`` are the replica's (all
+        pools), a rank's ``kv_tokens`` its pool's."""
         first = self.ranks[0]
         return json.dumps({"fits": self.fits, "ranks": [rank.to_dict() for rank in self.ranks],
-                           "kv_blocks": self.kv_blocks, "kv_tokens": self.kv_blocks * first.block_size,
+                           "kv_blocks": self.kv_blocks, "kv_tokens": self.kv_tokens,
                            "max_model_len": self.max_model_len,
-                           "max_concurrent_seqs": self.kv_blocks // first.blocks_per_seq,
+                           "max_concurrent_seqs": self.attention_dp_size * (self.kv_blocks // first.blocks_per_seq),
+                           "attention_dp_size": self.attention_dp_size, "dp_attention": self.dp_attention,
                            "reason": self.reason, "notes": self.notes})
 
 
