@@ -288,7 +288,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining", "async_scheduling", "num_preemptions", "num_grammar_matchers", "spec_policy", "spec_accepted_per_position", "spec_depth_steps")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "tensor_parallel_size", "tensor_split", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "healthy", "collective", "dispatch", "speculative_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length", "weights_version", "worker_restarts", "recovering", "admission_paused", "prefix_cache_hit_tokens", "workers", "coordinator_node", "rank_nodes", "rank_node_ips", "num_nodes", "draining", "async_scheduling", "num_preemptions", "num_grammar_matchers", "spec_policy", "spec_accepted_per_position", "spec_depth_steps", "attention_dp_size", "kv_capacity_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,8 @@ class ModelInfoResponse(_message.Message):
     SPEC_POLICY_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DEPTH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -363,7 +365,9 @@ class ModelInfoResponse(_message.Message):
     spec_policy: str
     spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     spec_depth_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., num_grammar_matchers: _Optional[int] = ..., spec_policy: _Optional[str] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_depth_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    attention_dp_size: int
+    kv_capacity_tokens: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., healthy: _Optional[bool] = ..., collective: _Optional[str] = ..., dispatch: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[_Iterable[float]] = ..., spec_mean_acceptance_length: _Optional[float] = ..., weights_version: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., recovering: _Optional[bool] = ..., admission_paused: _Optional[bool] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerProcess, _Mapping]]] = ..., coordinator_node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., rank_node_ips: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[int] = ..., draining: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., num_grammar_matchers: _Optional[int] = ..., spec_policy: _Optional[str] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_depth_steps: _Optional[_Iterable[int]] = ..., attention_dp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerProcess(_message.Message):
     __slots__ = ("role", "rank", "pid", "bundle_index", "weight_loads")

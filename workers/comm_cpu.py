@@ -10,6 +10,7 @@ call k+2 after every rank started call k+1, i.e. finished reading call k.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -44,6 +45,12 @@ class GlooGroup(TensorParallelGroup):
         parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
         dist.all_gather(parts, tensor)
         return parts
+
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        # gloo has no reduce_scatter: all-reduce the whole buffer, keep this rank's part
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor[self.tp_rank]
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -102,6 +109,24 @@ class SharedMemoryGroup(TensorParallelGroup):
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         num = tensor.numel()
+        slots = self._publish(tensor)
+        return [slots[r, :num].view(tensor.shape) for r in range(self.tp_size)]
+
+    def _all_to_all(self, send: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Each rank publishes its rows for every destination; each reads only the rows meant for
+        it from every slot (float32 payloads)."""
+        width = math.prod(send.shape[1:])
+        slots = self._publish(send.float())
+        me, parts = self.tp_rank, []
+        for source, row in enumerate(counts):
+            start = sum(row[:me]) * width
+            parts.append(slots[source, start:start + row[me] * width].view(row[me], *send.shape[1:]))
+        return torch.cat(parts).to(send.dtype)
+
+    def _publish(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` into this rank's slot, raise its flag, wait until every rank has;
+        returns the slot set ``[tp_size, max_floats]`` (valid until the call after next)."""
+        num = tensor.numel()
         assert num <= self.max_floats, f"collective of {num} floats exceeds the {self.max_floats}-float slot"
         self._call += 1
         slots = self._slots[self._call % 2]
@@ -119,7 +144,7 @@ class SharedMemoryGroup(TensorParallelGroup):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rank {self.tp_rank}: peers {peers.tolist()} did not reach call "
                                        f"{self._call} within {self.timeout_s} s")
-        return [slots[r, :num].view(tensor.shape) for r in range(self.tp_size)]
+        return slots
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = self._exchange(tensor.float())
@@ -130,6 +155,15 @@ class SharedMemoryGroup(TensorParallelGroup):
 
     def _all_gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [part.clone().to(tensor.dtype) for part in self._exchange(tensor.float())]
+
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank publishes its whole ``[tp_size, ...]`` buffer; each sums only its own part,
+        in rank order (1/tp_size of an all-reduce's additions)."""
+        parts = self._exchange(tensor.float())
+        out = parts[0][self.tp_rank].clone()
+        for part in parts[1:]:
+            out += part[self.tp_rank]
+        return out.to(tensor.dtype)
 
     def close(self) -> None:
         if self._shm is not None:

@@ -12,6 +12,8 @@ being captured (NCCL >= 2.9 supports stream capture). ``collective_s`` then coun
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardserve.workers.distributed import TensorParallelGroup
@@ -81,6 +83,32 @@ class CupyNcclGroup(TensorParallelGroup):
         self.comm.allGather(tensor.data_ptr(), out.data_ptr(), tensor.numel(), nccl_dtype(tensor.dtype),
                             self._stream(tensor))
         return list(out.unbind(0))
+
+    def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``ncclReduceScatter`` (sum) of ``tensor [tp_size, ...]``; this rank's part ``[...]``."""
+        out = torch.empty(tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+        self.comm.reduceScatter(tensor.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(tensor.dtype), _NCCL_SUM,
+                                self._stream(tensor))
+        return out
+
+    def _all_to_all(self, send: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Grouped ``ncclSend`` / ``ncclRecv`` with every peer (NCCL >= 2.7), on the current stream."""
+        from cupy.cuda import nccl
+
+        me, width = self.tp_rank, math.prod(send.shape[1:])
+        recv = send.new_empty(sum(row[me] for row in counts), *send.shape[1:])
+        dtype, stream = nccl_dtype(send.dtype), self._stream(send)
+        send_at, recv_at = 0, 0
+        nccl.groupStart()
+        for peer in range(self.tp_size):
+            out_rows, in_rows = counts[me][peer], counts[peer][me]
+            if out_rows:
+                self.comm.send(send[send_at:].data_ptr(), out_rows * width, dtype, peer, stream)
+            if in_rows:
+                self.comm.recv(recv[recv_at:].data_ptr(), in_rows * width, dtype, peer, stream)
+            send_at, recv_at = send_at + out_rows, recv_at + in_rows
+        nccl.groupEnd()
+        return recv
 
     def close(self) -> None:
         comm, self.comm = getattr(self, "comm", None), None

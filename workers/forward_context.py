@@ -30,6 +30,9 @@ class AttentionMetadata:
     # chunks without reading the device; None where the builder has none (then read when needed).
     query_start_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # Data-parallel attention (workers/models/moe_exchange.py): tokens of every attention group in
+    # this step, from the plans on the host; None: plain TP (or every group runs this shape).
+    dp_token_counts: list[int] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

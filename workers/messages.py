@@ -87,6 +87,28 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class DataParallelPlan:
+    """One engine step of a replica with data-parallel attention (issue 29): one :class:`StepPlan`
+    per attention group, every rank receives all of them. A rank applies and computes its own
+    group's plan (``plans[group]``); the others' token counts size the MoE exchange
+    (``workers/models/moe_exchange.py``). A group with nothing to do gets an empty plan and still
+    joins every MoE collective with zero rows. Each group's first rank returns that group's
+    :class:`StepResult`."""
+
+    plans: list[StepPlan] = field(default_factory=list)   # [attention_dp_size], group order
+
+    @property
+    def token_counts(self) -> list[int]:
+        """Tokens each group computes this step (host ints, no device read)."""
+        return [sum(len(s.token_ids) for s in plan.scheduled) for plan in self.plans]
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Every group's scheduled requests, in group order (step timing and logs)."""
+        return [sched for plan in self.plans for sched in plan.scheduled]
+
+
+@dataclass(slots=True)
 class SampledToken:
     """Rank 0's sample for one request."""
 
@@ -108,6 +130,24 @@ class StepResult:
                                     # draft buffers are attached (else rank 0 wrote them there)
     execute_s: float = 0.0          # rank 0's wall time inside execute (s)
     collective_s: float = 0.0       # of which in TP collectives (all-reduce / all-gather), s
+
+
+@dataclass(slots=True)
+class DataParallelResult:
+    """The answer to a :class:`DataParallelPlan`: each attention group's first rank's
+    :class:`StepResult`, in group order (an idle group's has no samples)."""
+
+    results: list[StepResult] = field(default_factory=list)
+
+    @property
+    def execute_s(self) -> float:
+        """The slowest group's time inside execute (s): the groups wait for each other in the MoE."""
+        return max((r.execute_s for r in self.results), default=0.0)
+
+    @property
+    def collective_s(self) -> float:
+        """The largest of the groups' times inside collectives (s)."""
+        return max((r.collective_s for r in self.results), default=0.0)
 
 
 # -- draft model (MTP) boundary: coordinator -> DraftWorker ------------------------------------

@@ -23,10 +23,10 @@ from shardserve.workers.checkpoint import GGUFCheckpoint
 from shardserve.workers.compilation import CompiledForward, use_compile
 from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_caches, gib, host_memory_available,
                                        resolve_device, resolve_dtype)
-from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.distributed import get_expert_group, get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
 from shardserve.workers.logits_processors import SamplingControls, apply_token_bitmasks
-from shardserve.workers.messages import PLACEHOLDER_TOKEN, SamplingOptions, StepPlan, StepResult
+from shardserve.workers.messages import PLACEHOLDER_TOKEN, DataParallelPlan, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPlan, cache_bytes, check_plan,
                                      decode_graph_backend, plan_rank)
@@ -164,6 +164,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             bound_cpu_kernel_caches()
+        self.dp_group = self._check_attention_dp(hf_config, config)
         self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
         self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
                                                      config.quantization)
@@ -194,13 +195,37 @@ class ModelRunner:
         if config.num_blocks is not None:
             self.allocate_kv_cache(config.num_blocks)
 
+    @staticmethod
+    def _check_attention_dp(hf_config, config: RunnerConfig) -> int:
+        """This rank's attention group (0 without data-parallel attention). With it, the process's
+        TP group is the attention group and the expert group spans ``attention_dp_size`` of them
+        (``workers/distributed.py``); the model reads the MoE exchange from ``shardserve_moe_a2a``.
+
+        Raises:
+            ValueError: the installed groups do not match ``attention_dp_size``, or an unknown mode.
+        """
+        if config.attention_dp_size == 1:
+            return 0
+        tp, ep = get_tp_group(), get_expert_group()
+        if ep.tp_size != tp.tp_size * config.attention_dp_size:
+            raise ValueError(f"attention_dp_size={config.attention_dp_size} needs an expert group of "
+                             f"{tp.tp_size * config.attention_dp_size} ranks around the {tp.tp_size}-rank attention "
+                             f"group; the installed one has {ep.tp_size}")
+        if config.moe_a2a not in ("allgather", "alltoall"):
+            raise ValueError(f"--moe-a2a {config.moe_a2a!r}: expected 'allgather' or 'alltoall'")
+        hf_config.shardserve_moe_a2a = config.moe_a2a
+        return ep.tp_rank // tp.tp_size
+
     # -- memory -------------------------------------------------------------------------------
     @property
     def graph_backend(self) -> str | None:
         """``"cuda"``, ``"replay"`` or None (eager decode), from ``config.decode_graphs``
-        (:func:`workers.plan.decode_graph_backend`)."""
+        (:func:`workers.plan.decode_graph_backend`). Data-parallel attention decodes eagerly: the
+        MoE exchange's token counts change every step (``workers/models/moe_exchange.py``)."""
         from shardserve.kernels.dispatch import use_triton
 
+        if self.config.attention_dp_size > 1:
+            return None
         return decode_graph_backend(self.config.decode_graphs, self.config.enforce_eager, self.device.type,
                                     use_triton(torch.empty(0, device=self.device)))
 
@@ -350,6 +375,9 @@ class ModelRunner:
         request pays for it."""
         if self.compiled is not None or not use_compile(self.config.compile, self.device):
             return
+        if self.config.attention_dp_size > 1:   # the MoE exchange reads host counts per step: stays eager
+            logger.info("data-parallel attention: the forward runs eagerly (no --compile)")
+            return
         self.compiled = CompiledForward(self.model, self.model.forward)
         self.forward = self.compiled
         self.compiled.warm_up(self.model, self.block_size, self.device)
@@ -452,27 +480,38 @@ class ModelRunner:
         """``(input_ids [T], metadata, logits_rows [R])`` on the runner's device (eager layout)."""
         return self._device_inputs(self._host_batch(plan), plan)
 
-    def _device_inputs(self, host: HostBatch, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _device_inputs(self, host: HostBatch, plan: StepPlan,
+                       dp_counts: list[int] | None = None) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         input_ids, meta, rows = device_batch(host, self.stager, self._share_placeholders)
+        meta.dp_token_counts = dp_counts
         if self.state_cache is not None:   # hybrid models: the recurrent-state slots of this step
             meta.state = self.state_cache.begin_step(plan)
         return input_ids, meta, rows
 
+    def own_plan(self, plan: StepPlan | DataParallelPlan) -> StepPlan:
+        """The plan this rank computes: its attention group's part of a :class:`DataParallelPlan`."""
+        return plan.plans[self.dp_group] if isinstance(plan, DataParallelPlan) else plan
+
     @torch.inference_mode()
-    def compute_logits(self, plan: StepPlan) -> torch.Tensor:
-        """Apply ``plan`` and run the forward; float32 logits ``[rows, vocab]`` on the device, one
-        row per sampling request plus one per draft token it verifies. Pure decode steps replay a
-        captured graph when there is one for their (padded) batch size."""
+    def compute_logits(self, plan: StepPlan | DataParallelPlan) -> torch.Tensor:
+        """Apply ``plan`` (with data-parallel attention: this group's part) and run the forward;
+        float32 logits ``[rows, vocab]`` on the device, one row per sampling request plus one per
+        draft token it verifies. Pure decode steps replay a captured graph when there is one for
+        their (padded) batch size. An idle attention group joins the other groups' MoE exchanges."""
+        counts = plan.token_counts if isinstance(plan, DataParallelPlan) else None
+        plan = self.own_plan(plan)
         self._apply_plan(plan)
         self.last_hidden_states = None
         if not plan.scheduled:
+            if counts is not None and any(counts):
+                self.model.idle_forward(counts)
             return torch.empty(0, self.hf_config.vocab_size, device=self.device)
         host = self._host_batch(plan)
         if self.graphs is not None and host.is_decode and self.graphs.padded_size(host.num_seqs):
             state_slots = None if self.state_cache is None else self.state_cache.begin_decode(plan)
             hidden, rows = self.graphs.run(host, self.stager, state_slots, self._share_placeholders), None
         else:
-            input_ids, meta, rows = self._device_inputs(host, plan)
+            input_ids, meta, rows = self._device_inputs(host, plan, counts)
             with forward_context(meta):
                 hidden = self.forward(input_ids, meta.positions)
         if plan.return_hidden:
@@ -493,11 +532,15 @@ class ModelRunner:
             self.controls.apply(processed, sampling)
         return processed
 
-    def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step. Rank 0 returns the sampled tokens (host data); other ranks return None."""
+    def execute(self, plan: StepPlan | DataParallelPlan) -> StepResult | None:
+        """Run one step. Rank 0 (of each attention group) returns the sampled tokens of its plan
+        (host data); other ranks return None."""
         logits = self.compute_logits(plan)
         if get_tp_group().tp_rank != 0:
             return None
+        plan = self.own_plan(plan)
+        if not plan.scheduled:   # an idle attention group (data-parallel attention): nothing sampled
+            return StepResult()
         hidden = self.last_hidden_states
         if hidden is not None and self.draft_buffers is not None:
             # the draft reads them there; queued before the sampler's read-back, so done when this returns

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from shardserve.workers.distributed import TensorParallelGroup, set_tp_group
-from shardserve.workers.messages import StepPlan, StepResult
+from shardserve.workers.distributed import TensorParallelGroup, attention_group_layout, set_tp_group
+from shardserve.workers.messages import DataParallelPlan, StepPlan, StepResult
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.torch_thread import on_torch_thread
@@ -34,6 +34,7 @@ class ShardWorker(ReloadableRank):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         torch.set_num_threads(max(1, num_threads))
         self.group: TensorParallelGroup | None = None
+        self.expert_group: TensorParallelGroup | None = None   # data-parallel attention: all ranks
         self.runner: ModelRunner | None = None
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -58,25 +59,37 @@ class ShardWorker(ReloadableRank):
     @on_torch_thread
     def init_group(self, kind: str, info: dict) -> None:
         """Join the TP group. ``info``: ``init_method`` (gloo), ``name``/``max_floats`` (shm),
-        ``unique_id`` (nccl)."""
-        if self.tp_size == 1:
-            self.group = TensorParallelGroup()
-        elif kind == "gloo":
+        ``unique_id`` (nccl). With data-parallel attention (``info["attention_dp_size"] > 1``) that
+        group spans every rank and carries the routed experts, and ``info["groups"][g]`` (the same
+        keys; absent for single-rank groups) forms attention group g, this rank's TP group."""
+        num_groups = info.get("attention_dp_size", 1)
+        if num_groups == 1:
+            self.group = self._join(kind, self.tp_rank, self.tp_size, info)
+            set_tp_group(self.group)
+            return
+        index, local_rank, size = attention_group_layout(self.tp_rank, self.tp_size, num_groups)
+        self.expert_group = self._join(kind, self.tp_rank, self.tp_size, info)
+        self.group = self._join(kind, local_rank, size, info["groups"][index] if size > 1 else {})
+        set_tp_group(self.group, self.expert_group)
+
+    @staticmethod
+    def _join(kind: str, rank: int, size: int, info: dict) -> TensorParallelGroup:
+        if size == 1:
+            return TensorParallelGroup()
+        if kind == "gloo":
             from shardserve.workers.comm_cpu import GlooGroup
 
-            self.group = GlooGroup(self.tp_rank, self.tp_size, info["init_method"])
-        elif kind == "shm":
+            return GlooGroup(rank, size, info["init_method"])
+        if kind == "shm":
             from shardserve.workers.comm_cpu import SharedMemoryGroup
 
-            self.group = SharedMemoryGroup(self.tp_rank, self.tp_size, info["name"], info["max_floats"])
-        elif kind == "nccl":
+            return SharedMemoryGroup(rank, size, info["name"], info["max_floats"])
+        if kind == "nccl":
             from shardserve.workers.comm_nccl import CupyNcclGroup
 
             torch.cuda.set_device(0)   # Ray's CUDA_VISIBLE_DEVICES: this actor's GPU is device 0
-            self.group = CupyNcclGroup(self.tp_rank, self.tp_size, info["unique_id"])
-        else:
-            raise ValueError(f"unknown collective backend {kind!r}")
-        set_tp_group(self.group)
+            return CupyNcclGroup(rank, size, info["unique_id"])
+        raise ValueError(f"unknown collective backend {kind!r}")
 
     @on_torch_thread
     def load(self, files: ModelFiles, hf_config, config: RunnerConfig) -> dict:
@@ -116,15 +129,18 @@ class ShardWorker(ReloadableRank):
 
     # -- every step ---------------------------------------------------------------------------
     @on_torch_thread
-    def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step; rank 0 returns the samples (and logits when the plan asks) with its
-        time inside this call and inside collectives."""
-        start, collective_before = time.perf_counter(), self.group.collective_s
+    def execute(self, plan: StepPlan | DataParallelPlan) -> StepResult | None:
+        """Run one step; rank 0 (of each attention group, with data-parallel attention) returns the
+        samples (and logits when the plan asks) with its time inside this call and inside collectives."""
+        start, collective_before = time.perf_counter(), self._collective_s()
         result = self.runner.execute(plan)
         if result is not None:
             result.execute_s = time.perf_counter() - start
-            result.collective_s = self.group.collective_s - collective_before
+            result.collective_s = self._collective_s() - collective_before
         return result
+
+    def _collective_s(self) -> float:
+        return self.group.collective_s + (self.expert_group.collective_s if self.expert_group is not None else 0.0)
 
     def _weights(self) -> ModelRunner:
         return self.runner
@@ -141,12 +157,13 @@ class ShardWorker(ReloadableRank):
         """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins
         the new one). Not on the torch thread: that one may still be inside a collective with the
         dead peer."""
-        if self.group is not None:
-            try:
-                self.group.close()
-            except BufferError:   # a tensor still views the old shared memory; it goes with the process
-                pass
-            self.group = None
+        for group in (self.group, self.expert_group):
+            if group is not None:
+                try:
+                    group.close()
+                except BufferError:   # a tensor still views the old shared memory; it goes with the process
+                    pass
+        self.group = self.expert_group = None
 
     def shutdown(self) -> None:
         self.leave_group()

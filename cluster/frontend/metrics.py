@@ -20,7 +20,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 
 
 # ModelInfo fields the replica metrics read (gauges, then MTP speculative decoding).
-REPLICA_INFO_FIELDS = ("model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "weights_version",
+REPLICA_INFO_FIELDS = ("model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "kv_capacity_tokens",
+                       "attention_dp_size", "weights_version",
                        "worker_restarts", "collective", "dispatch", "coordinator_node", "num_nodes", "rank_nodes",
                        "rank_node_ips", "speculative_tokens", "spec_policy", "spec_num_drafts", "spec_num_draft_tokens",
                        "spec_num_accepted_tokens", "spec_acceptance_rate", "spec_mean_acceptance_length",
@@ -113,7 +114,10 @@ class ServeMetrics:
         self.waiting = Gauge("shardserve_num_requests_waiting", "Requests queued on the replica",
                              ["replica"], registry=reg)
         self.free_blocks = Gauge("shardserve_kv_cache_free_blocks", "Free KV cache blocks", ["replica"], registry=reg)
-        self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks", ["replica"], registry=reg)
+        self.total_blocks = Gauge("shardserve_kv_cache_blocks", "KV cache blocks (over every attention group)",
+                                  ["replica"], registry=reg)
+        self.kv_capacity = Gauge("shardserve_kv_cache_capacity_tokens", "Tokens the replica's KV caches hold "
+                                 "(blocks x block size over every attention group)", ["replica"], registry=reg)
         self.ready = Gauge("shardserve_replica_ready", "1 when the replica serves", ["replica"], registry=reg)
         self.weights_version = Gauge("shardserve_weights_version", "Weights served (1 at start, +1 per reload "
                                      "that changed a tensor)", ["replica"], registry=reg)
@@ -159,6 +163,7 @@ class ServeMetrics:
             self.waiting.labels(label).set(info.get("num_waiting", 0))
             self.free_blocks.labels(label).set(info.get("num_free_blocks", 0))
             self.total_blocks.labels(label).set(info.get("num_blocks", 0))
+            self.kv_capacity.labels(label).set(info.get("kv_capacity_tokens") or 0)
             self.weights_version.labels(label).set(info.get("weights_version", 0))
             self.worker_restarts[label] = info.get("worker_restarts", 0)
             if info.get("collective"):
@@ -170,7 +175,7 @@ class ServeMetrics:
         """The replica left (scaled down, replaced): every series labelled with it goes."""
         self.vllm.forget(label)
         for metric in (self.routed, self.queue_full, self.outstanding, self.running, self.waiting, self.free_blocks,
-                       self.total_blocks, self.ready, self.weights_version, self.nodes):
+                       self.total_blocks, self.kv_capacity, self.ready, self.weights_version, self.nodes):
             try:
                 metric.remove(label)
             except KeyError:

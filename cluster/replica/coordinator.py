@@ -22,7 +22,8 @@ import time
 from collections.abc import AsyncIterator
 
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.engine.engine import EngineCore, RequestOutput
+from shardserve.cluster.engine.dp_engine import make_engine
+from shardserve.cluster.engine.engine import RequestOutput
 from shardserve.cluster.replica.cache_events import CacheEventHub
 from shardserve.cluster.engine.grammar import num_live_grammars
 from shardserve.cluster.replica.recovery import probe_workers, repair_replica
@@ -79,6 +80,10 @@ class Coordinator:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args.validate()
+        if args.attention_groups > 1 and args.speculative_tokens:
+            from shardserve.cluster.engine.dp_engine import MTP_REFUSAL
+
+            raise ValueError(MTP_REFUSAL)
         # The router's credential to this replica: made here, handed over by status() (Ray), never
         # in init args, logs or metrics. Only its digest is kept for checking.
         self.internal_token = secrets.token_urlsafe(32)
@@ -110,11 +115,12 @@ class Coordinator:
 
             speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
-        self.core = EngineCore(self.group, self.tokenizer, self.group.num_blocks, args.block_size,
-                               SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-                               eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
-                               num_state_slots=self.group.num_state_slots,
-                               grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
+        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        self.core = make_engine(args.attention_groups, self.group, self.tokenizer, self.group.num_blocks,
+                                args.block_size, budgets, eos_ids, self.hf_config.vocab_size,
+                                args.enable_prefix_caching, speculator=speculator,
+                                num_state_slots=self.group.num_state_slots,
+                                grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))
         self.cache_events = CacheEventHub(self.core.block_manager)   # the router's view of the prefix cache
         self.healthy, self.error = True, None
         self.recovering, self.failed = False, None     # failed: why the replica gave up (Serve replaces it)
@@ -551,7 +557,7 @@ class Coordinator:
                 result = await asyncio.to_thread(self.group.execute, plan)
             finally:
                 self.core.release_probe(probe)
-        return result.logits[0]
+        return getattr(result, "results", [result])[0].logits[0]   # data-parallel attention: group 0's
 
     # -- status -----------------------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -562,6 +568,7 @@ class Coordinator:
             "max_model_len": self.core.max_model_len, "vocab_size": self.hf_config.vocab_size,
             "tensor_parallel_size": self.args.tensor_parallel_size, "tensor_split": self.args.tensor_split or [],
             "block_size": bm.block_size, "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+            "attention_dp_size": self.args.attention_groups, "kv_capacity_tokens": bm.num_blocks * bm.block_size,
             "num_running": len(self.core.scheduler.running), "num_waiting": len(self.core.scheduler.waiting),
             "healthy": self.healthy, "collective": self.group.collective, "dispatch": self.group_config.dispatch,
             **(self.core.speculator.stats.as_dict() if self.core.speculator else {"speculative_tokens": 0}),

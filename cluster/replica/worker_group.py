@@ -29,7 +29,8 @@ from shardserve.cluster.engine.step_timer import StepTimer
 from shardserve.workers.distributed import collective_kind
 from shardserve.workers.draft_buffers import BufferSizes
 from shardserve.workers.draft_worker import DraftWorker
-from shardserve.workers.messages import DraftBatch, DraftResult, StepPlan, StepResult
+from shardserve.workers.messages import (DataParallelPlan, DataParallelResult, DraftBatch, DraftResult, StepPlan,
+                                         StepResult)
 from shardserve.workers.model_runner import RunnerConfig
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.partition import split_units
@@ -108,7 +109,7 @@ class WorkerGroup:
         self._with_draft = draft is not None
         self.workers = [self._spawn(rank) for rank in range(tp)]
         self.drafter: RemoteDrafter | None = None
-        self._segment = None
+        self._segments: list = []   # shared-memory segments of the communicators (shm collective)
         self._dag = None
         self._step_timer = StepTimer()
         configs = [runner_config] * tp
@@ -194,23 +195,46 @@ class WorkerGroup:
         same_node = len({node for node, _ in nodes}) == 1
         device = "cuda" if self.config.gpus_per_worker and self.config.device != "cpu" else "cpu"
         kind = collective_kind(device, same_node, self.config.collective)
+        num_groups = runner_config.attention_dp_size
+        if num_groups == 1:
+            vocab_slice = max(size for _, size in split_units(hf_config.vocab_size, tp, runner_config.tensor_split))
+            info = self._communicator(kind, tp, max(max_tokens * hf_config.hidden_size, max_seqs * vocab_slice),
+                                      nodes, timeout_s)
+        else:   # data-parallel attention: one communicator over every rank (the experts), one per group
+            size = tp // num_groups
+            if kind == "gloo" and size > 1:
+                raise ValueError("data-parallel attention with several ranks per attention group needs the shm or "
+                                 "NCCL collectives (gloo forms one group per process)")
+            vocab_slice = -(-hf_config.vocab_size // size)
+            # the MoE exchange: allgather moves [rows, hidden] and reduce-scatters [tp, rows, hidden];
+            # alltoall sends each token (with its top-k ids and weights) to at most min(k, tp) ranks
+            hidden, top_k = hf_config.hidden_size, getattr(hf_config, "num_experts_per_tok", 1)
+            max_floats = max(tp * max_tokens * hidden, max_tokens * min(top_k, tp) * (hidden + 2 * top_k))
+            info = self._communicator(kind, tp, max_floats, nodes, timeout_s)
+            info["attention_dp_size"] = num_groups
+            if size > 1:
+                info["groups"] = [self._communicator(kind, size, max(max_tokens * hf_config.hidden_size,
+                                                                     max_seqs * vocab_slice), nodes, timeout_s)
+                                  for _ in range(num_groups)]
+        # concurrent: ranks rendezvous
+        ray.get([w.init_group.remote(kind, info) for w in self.workers], timeout=timeout_s)
+        for segment in self._segments:
+            segment.unlink()   # every rank has it mapped: no name left behind, however Ray stops them
+        return kind
+
+    def _communicator(self, kind: str, size: int, max_floats: int, nodes: list, timeout_s: float | None) -> dict:
+        """What ``size`` ranks need to form one communicator of ``kind`` (a new shm segment holding
+        ``max_floats`` per rank, a gloo rendezvous address, or an NCCL id)."""
         if kind == "shm":
             from shardserve.workers.comm_cpu import SharedMemorySegment
 
-            vocab_slice = max(size for _, size in split_units(hf_config.vocab_size, tp, runner_config.tensor_split))
-            max_floats = max(max_tokens * hf_config.hidden_size, max_seqs * vocab_slice)
-            self._segment = SharedMemorySegment(tp, max_floats)
-            info = {"name": self._segment.name, "max_floats": max_floats}
-        elif kind == "gloo":
+            segment = SharedMemorySegment(size, max_floats)
+            self._segments.append(segment)
+            return {"name": segment.name, "max_floats": max_floats}
+        if kind == "gloo":
             port = ray.get(self.workers[0].free_port.remote(), timeout=timeout_s)
-            info = {"init_method": f"tcp://{nodes[0][1]}:{port}"}
-        else:
-            info = {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote(), timeout=timeout_s)}
-        # concurrent: ranks rendezvous
-        ray.get([w.init_group.remote(kind, info) for w in self.workers], timeout=timeout_s)
-        if self._segment is not None:
-            self._segment.unlink()   # every rank has it mapped: no name left behind, however Ray stops them
-        return kind
+            return {"init_method": f"tcp://{nodes[0][1]}:{port}"}
+        return {"unique_id": ray.get(self.workers[0].nccl_unique_id.remote(), timeout=timeout_s)}
 
     def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
@@ -219,8 +243,15 @@ class WorkerGroup:
             dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
         self._dag = dag.experimental_compile()
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Send ``plan`` to every rank at once; rank 0's result.
+    def _answer(self, plan: StepPlan | DataParallelPlan, results: list) -> StepResult | DataParallelResult:
+        """Rank 0's result, or with data-parallel attention each attention group's first rank's."""
+        if not isinstance(plan, DataParallelPlan):
+            return results[0]
+        size = self.config.tensor_parallel_size // len(plan.plans)
+        return DataParallelResult([results[group * size] for group in range(len(plan.plans))])
+
+    def execute(self, plan: StepPlan | DataParallelPlan) -> StepResult | DataParallelResult:
+        """Send ``plan`` to every rank at once; rank 0's result (:meth:`_answer`).
 
         Raises:
             WorkerDiedError: any rank died or raised.
@@ -257,10 +288,10 @@ class WorkerGroup:
         try:
             if self._dag is not None:
                 time.sleep(self._step_timer.sleep_s(plan))   # the result read below spins: keep it short
-                result = ray.get(refs[0])[0]
+                result = self._answer(plan, ray.get(refs[0]))
                 self._step_timer.observe(plan, result.execute_s)
                 return result
-            return _first_failure_get(refs)[0]
+            return self._answer(plan, _first_failure_get(refs))
         except Exception as exc:
             raise self._failed(exc) from exc
 
@@ -273,17 +304,20 @@ class WorkerGroup:
         """
         if self._dag is not None:
             return await asyncio.to_thread(self.collect, submitted)
-        refs, _ = submitted
+        refs, plan = submitted
         try:
             # gather raises the first failure as soon as it happens (the other ranks may be blocked in
             # a collective waiting for the failed one; the caller then kills them)
-            return (await asyncio.gather(*refs))[0]
+            return self._answer(plan, await asyncio.gather(*refs))
         except Exception as exc:
             raise self._failed(exc) from exc
 
+    def _abort_segments(self) -> None:
+        for segment in self._segments:
+            segment.abort()   # unblock ranks spinning on a dead peer
+
     def _failed(self, exc: Exception) -> WorkerDiedError:
-        if self._segment is not None:
-            self._segment.abort()  # unblock ranks spinning on a dead peer
+        self._abort_segments()
         return WorkerDiedError(f"shard worker failed: {root_cause(exc)}")
 
     # -- recovery ---------------------------------------------------------------------------------
@@ -310,8 +344,7 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout_s
         left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
         self._teardown_dag()
-        if self._segment is not None:
-            self._segment.abort()   # survivors still spinning on the dead peer give up now
+        self._abort_segments()   # survivors still spinning on the dead peer give up now
         for rank in dead:
             ray.kill(self.workers[rank], no_restart=True)
             self.workers[rank] = self._spawn(rank)
@@ -378,15 +411,14 @@ class WorkerGroup:
             self._dag = None
 
     def _close_segment(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
 
     def shutdown(self) -> None:
         """Tear down the graph, stop the ranks and the draft worker, free the placement group. Idempotent."""
         self._teardown_dag()
-        if self._segment is not None:
-            self._segment.abort()
+        self._abort_segments()
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []

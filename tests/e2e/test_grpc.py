@@ -171,7 +171,7 @@ def test_model_info(server, ray_cluster):
     assert info.vocab_size == 49152 and info.healthy and info.collective == "shm"
     # The ranks have mapped the all-reduce segment, and its name is already gone: however Ray stops
     # them (`ray stop`, SIGKILL), nothing is left in /dev/shm.
-    name = ray_cluster.get(server[0].__ray_call__.remote(lambda coordinator: coordinator.group._segment.name))
+    name = ray_cluster.get(server[0].__ray_call__.remote(lambda coordinator: coordinator.group._segments[0].name))
     assert name and not (Path("/dev/shm") / name).exists()
 
 

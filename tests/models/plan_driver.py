@@ -21,17 +21,20 @@ from shardserve.workers.models import dsa_indexer
 
 
 def make_runner(path: str | Path, block_size: int = 4, num_blocks: int = 96, tensor_split=None,
-                decode_graphs: str = "auto", compile: str = "off", **switches) -> ModelRunner:
+                decode_graphs: str = "auto", compile: str = "off", attention_dp_size: int = 1,
+                moe_a2a: str = "allgather", **switches) -> ModelRunner:
     """A runner for the checkpoint at ``path``; ``decode_graphs`` is the runner's setting ("replay":
-    the CPU stand-in of CUDA graphs); ``compile`` is ``RunnerConfig.compile``; ``switches`` set
-    ``shardserve_<name>`` on the model config (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``)."""
+    the CPU stand-in of CUDA graphs); ``compile``, ``attention_dp_size`` and ``moe_a2a`` are
+    :class:`RunnerConfig`'s; ``switches`` set ``shardserve_<name>`` on the model config
+    (``dsa=False``, ``dsa_top_k=4``, ``hadamard=False``)."""
     files = ModelFiles(Path(path).name, Path(path))
     config = load_config(files)
     for name, value in switches.items():
         setattr(config, f"shardserve_{name}", value)
     return ModelRunner(files, config, RunnerConfig(block_size=block_size, num_blocks=num_blocks,
                                                    tensor_split=tensor_split, decode_graphs=decode_graphs,
-                                                   compile=compile), progress=False)
+                                                   compile=compile, attention_dp_size=attention_dp_size,
+                                                   moe_a2a=moe_a2a), progress=False)
 
 
 class PlanDriver:

@@ -1,5 +1,6 @@
-"""CPU collectives across real processes: the shared-memory group and gloo give the reference sums
-and gathers (uneven sizes), bitwise equal on every rank; an aborted segment unblocks waiters."""
+"""CPU collectives across real processes: the shared-memory group and gloo give the reference sums,
+gathers (uneven sizes), reduce-scatters and all-to-alls (uneven row counts, data-parallel
+attention's MoE exchange), bitwise equal on every rank; an aborted segment unblocks waiters."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from shardserve.workers.distributed import TensorParallelGroup, collective_kind
 
 WORLD = 3
 SIZES = [3, 1, 2]  # uneven all-gather widths per rank
+COUNTS = [[(2 * src + dst) % 3 for dst in range(WORLD)] for src in range(WORLD)]   # all-to-all rows src -> dst
+
+
+def a2a_rows(src: int, dst: int) -> torch.Tensor:
+    """The ``[COUNTS[src][dst], 2]`` rows rank ``src`` sends rank ``dst`` (values name both)."""
+    return torch.tensor([[100.0 * src + dst, row] for row in range(COUNTS[src][dst])]).view(-1, 2)
 
 
 def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +40,10 @@ def _run(rank: int, kind: str, info: dict, out: dict) -> None:
         results = []
         for _ in range(5):  # several calls: both alternating slot sets get used
             results.append(group.all_reduce(reduce_in.clone()))
-        out[rank] = (torch.stack(results), group.all_gather(gather_in, SIZES))
+        scatter_in = torch.arange(WORLD * 4, dtype=torch.float32).view(WORLD, 4) * (rank + 1)
+        send = torch.cat([a2a_rows(rank, dst) for dst in range(WORLD)])
+        out[rank] = (torch.stack(results), group.all_gather(gather_in, SIZES), group.reduce_scatter(scatter_in),
+                     group.all_to_all(send, COUNTS))
     finally:
         group.close()
 
@@ -59,10 +69,13 @@ def test_all_reduce_and_uneven_all_gather(kind):
     expected_sum = sum(x for x, _ in inputs)
     expected_gather = torch.cat([g for _, g in inputs], dim=-1)
     for rank in range(WORLD):
-        reduced, gathered = results[rank]
+        reduced, gathered, scattered, exchanged = results[rank]
         torch.testing.assert_close(reduced, expected_sum.expand(5, 5, 7), rtol=1e-6, atol=1e-6)
         assert torch.equal(reduced, results[0][0])  # bitwise identical on every rank
         assert torch.equal(gathered, expected_gather)
+        # sum over ranks r of arange * (r + 1), this rank's row: arange * 6
+        assert torch.equal(scattered, torch.arange(rank * 4, rank * 4 + 4, dtype=torch.float32) * 6)
+        assert torch.equal(exchanged, torch.cat([a2a_rows(src, rank) for src in range(WORLD)]))
 
 
 def _wait_alone(name: str, out: dict) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.distributed import get_expert_group, get_tp_group
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
@@ -93,7 +93,12 @@ class DeepseekModel(nn.Module):
         rank, size = group.tp_rank, group.tp_size
         head_range = split_units(config.num_attention_heads, size, tensor_split)[rank]
         inter_range = split_units(config.intermediate_size, size, tensor_split)[rank]
-        expert_range = split_units(config.n_routed_experts, size, tensor_split)[rank]
+        experts = get_expert_group()
+        # Data-parallel attention (issue 29): the routed experts span all ranks of the replica,
+        # everything else is split over this rank's attention group (the TP group), as plain TP.
+        exchange = None if experts is group else _option(None, config, "shardserve_moe_a2a", "allgather")
+        expert_range = split_units(config.n_routed_experts, experts.tp_size,
+                                   tensor_split if exchange is None else None)[experts.tp_rank]
         shared_size = config.moe_intermediate_size * (config.n_shared_experts or 0)
         shared_range = split_units(shared_size, size, tensor_split)[rank] if shared_size else None
         self.vocab_ranges = split_units(config.vocab_size, size, tensor_split)
@@ -112,7 +117,7 @@ class DeepseekModel(nn.Module):
             attn = MLAAttention(config, head_range, rotary, mla_interleaved, indexer,
                                 shares_topk=indexer_types[idx] == "shared", dtype=dtype)
             if mlp_types[idx] == "sparse":
-                mlp = DeepseekMoE(config, expert_range, shared_range, dtype)
+                mlp = DeepseekMoE(config, expert_range, shared_range, dtype, exchange)
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size, inter_range, reduce_output=True,
                                dtype=dtype)
@@ -126,6 +131,16 @@ class DeepseekModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, top_k)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def idle_forward(self, counts: list[int]) -> None:
+        """Data-parallel attention, a step where this rank's group has no tokens: join every MoE
+        layer's token exchange with zero rows, in layer order, so the other groups' collectives
+        complete (``counts``: tokens of each attention group, this group's 0)."""
+        param = self.norm.weight
+        empty = torch.empty(0, param.shape[0], dtype=param.dtype, device=param.device)
+        for layer in self.layers:
+            if getattr(layer.mlp, "exchange", None) is not None:
+                layer.mlp.exchange_forward(empty, counts)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -186,6 +201,10 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def idle_forward(self, counts: list[int]) -> None:
+        """See :meth:`DeepseekModel.idle_forward` (data-parallel attention, an idle group)."""
+        self.model.idle_forward(counts)
 
 
 class DeepseekV3ForCausalLM(DeepseekV32ForCausalLM):

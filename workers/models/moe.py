@@ -10,7 +10,9 @@ are the unbiased ``s``, normalized to sum 1 when ``norm_topk_prob``, times
 Tensor parallel (DESIGN.md): routed experts are split across ranks in whole experts (possibly
 unevenly), the router is replicated, shared experts split their intermediate dim like a dense
 MLP. Each rank sums its local experts' and its shared-expert slice's partial outputs, and the
-layer does one all-reduce.
+layer does one all-reduce. With data-parallel attention the routed experts span every rank of the
+replica while the shared experts stay in the attention group, and the layer exchanges tokens
+between groups instead (``workers/models/moe_exchange.py``).
 """
 
 from __future__ import annotations
@@ -161,14 +163,20 @@ class DeepseekMoE(nn.Module):
         shared_range: ``(start, size)`` of this rank's slice of the shared experts' intermediate dim
             (``moe_intermediate_size * n_shared_experts``).
 
+        exchange: None (plain TP: one all-reduce over the TP group), or with data-parallel
+            attention ``"allgather"`` / ``"alltoall"``: how tokens reach the experts of other
+            attention groups (``workers/models/moe_exchange.py``).
+
     Modules match the checkpoint: ``gate.*`` (router), ``experts.*`` (:class:`FusedExperts`, read
     from the per-expert ``experts.{id}.*_proj`` tensors), ``shared_experts.*``.
     Shapes: ``[T, hidden] -> [T, hidden]`` (all-reduced).
     """
 
     def __init__(self, config, expert_range: tuple[int, int], shared_range: tuple[int, int] | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, exchange: str | None = None) -> None:
         super().__init__()
+        assert exchange in (None, "allgather", "alltoall"), f"unknown MoE exchange {exchange!r}"
+        self.exchange = exchange
         self.gate = TopkRouter(config)
         self.experts = FusedExperts(config.hidden_size, config.moe_intermediate_size, expert_range, dtype)
         self.shared_experts = None
@@ -177,8 +185,24 @@ class DeepseekMoE(nn.Module):
                                            shared_range, reduce_output=False, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.exchange is not None:
+            from shardserve.workers.forward_context import get_attention_metadata
+
+            return self.exchange_forward(hidden, get_attention_metadata().dp_token_counts)
         weights, expert_ids = self.gate(hidden)
         out = self.experts(hidden, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return tp_all_reduce(out)
+
+    def exchange_forward(self, hidden: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+        """Data-parallel attention: this group's ``[T_g, H]`` through the experts of every rank.
+        ``counts``: tokens of each attention group this step (None: every group has ``T_g``, as
+        in the memory-profiling step every rank runs alike)."""
+        from shardserve.workers.distributed import get_expert_group, get_tp_group
+        from shardserve.workers.models import moe_exchange
+
+        if counts is None:
+            counts = [hidden.shape[0]] * (get_expert_group().tp_size // get_tp_group().tp_size)
+        exchange = moe_exchange.allgather_moe if self.exchange == "allgather" else moe_exchange.alltoall_moe
+        return exchange(self, hidden, counts)
