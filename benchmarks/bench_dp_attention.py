@@ -61,7 +61,7 @@ def check_supported(model: str, names: list[str], kv_cache_gib: float, max_num_s
     """The configurations' arguments as ``generate`` / ``serve`` check them before loading.
 
     Raises:
-        ValueError: a configuration is refused (e.g. DP attention is not available in this build).
+        ValueError: a configuration is refused (e.g. MTP with DP attention).
     """
     from shardserve.cluster.dp_attention_args import check_dp_attention_start
 

@@ -59,7 +59,8 @@ def check_dp_attention_args(args) -> None:
         ValueError: ``moe_a2a`` is not a known mode; ``attention_dp_size`` or a non-default
             ``moe_a2a`` without ``enable_dp_attention``; ``attention_dp_size`` < 1 or not dividing
             ``tensor_parallel_size``; ``max_num_batched_tokens`` or ``max_num_seqs`` (the replica's
-            step budget, divided over the ``D`` groups) below ``D``; an uneven ``tensor_split`` with
+            step budget, divided over the ``D`` groups) below ``D``; MTP (``speculative_tokens``) with
+            DP attention (``dp_engine.MTP_REFUSAL``); an uneven ``tensor_split`` with
             DP attention (attention groups are equal by construction, and the layers split over all
             ranks split in whole units).
     """
@@ -86,6 +87,10 @@ def check_dp_attention_args(args) -> None:
             raise ValueError(f"{flag} {value} is the replica's step budget, split over its {groups} attention groups "
                              f"under --enable-dp-attention: {value} // {groups} = 0 per group; raise it to at least "
                              f"{groups}")
+    if args.speculative_tokens:
+        from shardserve.cluster.engine.dp_engine import MTP_REFUSAL
+
+        raise ValueError(MTP_REFUSAL)
     if args.tensor_split is not None and len(set(args.tensor_split)) > 1:
         split = ",".join(f"{share:g}" for share in args.tensor_split)
         raise ValueError(f"--tensor-split {split} is uneven: --enable-dp-attention needs equal ranks (equal "
@@ -142,28 +147,15 @@ def model_config_for_check(model: str):
                            n_routed_experts=meta.get(f"{arch}.expert_count"))
 
 
-def runtime_available() -> bool:
-    """Whether this build runs DP attention: it has the engine that keeps one block pool and
-    scheduler per attention group (``cluster/engine/dp_engine.py``, the runtime's part of issue 29).
-    Without it a replica would run plain TP and ignore the flags, so the entry points refuse."""
-    from importlib.util import find_spec
-
-    return find_spec("shardserve.cluster.engine.dp_engine") is not None
-
-
 def check_dp_attention_start(args) -> None:
     """What ``serve``, ``serve-grpc``, ``generate`` and ``serve deploy`` check before anything loads
     when ``args.enable_dp_attention`` (``args``: a validated :class:`EngineArgs`): the model has MLA
-    and MoE (its config or GGUF header is read; no weights), and this build runs DP attention.
+    and MoE (its config or GGUF header is read; no weights).
 
     Raises:
-        ValueError: the model has no MLA or no MoE; DP attention is not available in this build.
+        ValueError: the model has no MLA or no MoE.
         FileNotFoundError: the model cannot be found.
     """
     if not args.enable_dp_attention:
         return
     check_dp_attention_model(args, model_config_for_check(args.model))
-    if not runtime_available():
-        raise ValueError("--enable-dp-attention: data-parallel attention is not available in this build (the flags "
-                         "are checked, and `shardserve plan --enable-dp-attention` plans it, but no replica runs it "
-                         "yet); drop the flag to serve with plain tensor parallelism")

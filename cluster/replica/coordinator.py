@@ -79,11 +79,7 @@ class Coordinator:
         from ray.util import get_current_placement_group
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        args.validate()
-        if args.attention_groups > 1 and args.speculative_tokens:
-            from shardserve.cluster.engine.dp_engine import MTP_REFUSAL
-
-            raise ValueError(MTP_REFUSAL)
+        args.validate()   # refuses MTP with DP attention (cluster/dp_attention_args.py)
         # The router's credential to this replica: made here, handed over by status() (Ray), never
         # in init args, logs or metrics. Only its digest is kept for checking.
         self.internal_token = secrets.token_urlsafe(32)

@@ -16,7 +16,7 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
 
 from shardserve.cluster import cli
 from shardserve.cluster.config import EngineArgs
-from shardserve.cluster.dp_attention_args import check_dp_attention_start, runtime_available
+from shardserve.cluster.dp_attention_args import check_dp_attention_start
 from shardserve.cluster.serve_app import ServeArgs
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -49,6 +49,8 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     ({"enable_dp_attention": True, "tensor_split": [2, 1, 1, 1]}, "--tensor-split 2,1,1,1 is uneven"),
     ({"enable_dp_attention": True, "max_num_batched_tokens": 3}, "--max-num-batched-tokens 3 is the replica's step "
                                                                   "budget, split over its 4 attention groups"),
+    ({"enable_dp_attention": True, "speculative_tokens": 1}, "--speculative-tokens with --enable-dp-attention is "
+                                                             "not supported yet"),
 ])
 def test_inconsistent_flags_are_refused_by_engine_and_serve_args(fields, message):
     with pytest.raises(ValueError) as exc:
@@ -88,11 +90,7 @@ def test_models_without_mla_or_moe_are_refused_from_their_config(configs, smollm
         text = str(exc.value)
         assert missing in text and "MLA + MoE models (DeepSeek-V3 / V3.2, GLM-5 style)" in text and "\n" not in text
     good = EngineArgs(model=str(configs["deepseek"]), tensor_parallel_size=2, enable_dp_attention=True)
-    if runtime_available():
-        check_dp_attention_start(good)
-    else:   # until the runtime maps the flags, a replica would silently run plain TP: refused instead
-        with pytest.raises(ValueError, match="not available in this build"):
-            check_dp_attention_start(good)
+    check_dp_attention_start(good)
     check_dp_attention_start(EngineArgs(model=str(configs["llama"]), tensor_parallel_size=2))   # off: no check
 
 
