@@ -18,7 +18,6 @@ from serve_process import ServeProcess, http, wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_checkpoints import tiny_token_text, write_tiny_checkpoint  # noqa: E402
 
-pytest.importorskip("shardserve.cluster.dp_attention_args")
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 NUM_TOKENS = 8
 PROMPTS = [list(range(10, 30)), list(range(40, 45)), list(range(60, 71)), list(range(90, 97))]
