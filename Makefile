@@ -47,6 +47,8 @@ test-fast: install
 bench: install
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_tp.py
+	$(PY) benchmarks/bench_dp_attention.py
+	$(PY) benchmarks/bench_moe_exchange.py
 	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_long_context.py
 	$(PY) benchmarks/bench_speculative.py
