@@ -53,6 +53,12 @@ class DataParallelBatch:
         return [request for batch in self.batches for request in batch.requests]
 
 
+def _summed(parts: str, name: str) -> property:
+    """A read-only property: ``name`` summed over the per-group objects in ``self.<parts>``."""
+    return property(lambda self: sum(getattr(part, name) for part in getattr(self, parts)),
+                    doc=f"``{name}`` summed over the attention groups")
+
+
 class PooledBlocks:
     """The groups' block managers seen as one pool (ModelInfo, metrics, the router's cache events).
 
@@ -64,21 +70,10 @@ class PooledBlocks:
         self._managers = [core.block_manager for core in cores]
         self.block_size = self._managers[0].block_size
 
-    @property
-    def num_blocks(self) -> int:
-        return sum(bm.num_blocks for bm in self._managers)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(bm.num_free_blocks for bm in self._managers)
-
-    @property
-    def prefix_hits(self) -> int:
-        return sum(bm.prefix_hits for bm in self._managers)
-
-    @property
-    def prefix_queries(self) -> int:
-        return sum(bm.prefix_queries for bm in self._managers)
+    num_blocks = _summed("_managers", "num_blocks")
+    num_free_blocks = _summed("_managers", "num_free_blocks")
+    prefix_hits = _summed("_managers", "prefix_hits")
+    prefix_queries = _summed("_managers", "prefix_queries")
 
     @property
     def events(self):
@@ -124,13 +119,8 @@ class PooledSchedulers:
     def waiting(self) -> list:
         return [r for s in self._schedulers for r in s.waiting]
 
-    @property
-    def num_preemptions(self) -> int:
-        return sum(s.num_preemptions for s in self._schedulers)
-
-    @property
-    def num_unfinished(self) -> int:
-        return sum(s.num_unfinished for s in self._schedulers)
+    num_preemptions = _summed("_schedulers", "num_preemptions")
+    num_unfinished = _summed("_schedulers", "num_unfinished")
 
 
 class DataParallelEngine:
