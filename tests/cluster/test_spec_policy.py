@@ -155,3 +155,20 @@ def test_make_policy():
     assert isinstance(make_policy("adaptive", 3), AdaptivePolicy)
     with pytest.raises(ValueError, match="adaptive' or 'fixed"):
         make_policy("greedy", 3)
+
+
+def test_short_requests_draft_at_the_best_depth_not_one_deeper():
+    """Issue 31: 25-step requests on costs like the demo model's at batch 1 (29 ms plain step, 2 ms
+    per verified draft, 7 ms per chained draft forward), where depth 2 beats depth 3 by 4 %. A
+    request's own few trials must not make its deeper positions look better than they are: the
+    policy drafts 2 deep on most steps (an earlier version split them between 2 and 3)."""
+    def sim():
+        return Simulation([[0.85, 0.75, 0.55, 0.4]], a=0.029, b=0.0, j=0.0, v=0.002, d=(0.0, 0.007, 0.0, 0.0),
+                          request_steps=25)
+
+    best_depth, best_rate = _best_fixed_rate(sim(), steps=2000)
+    seconds, tokens, history = sim().run(AdaptivePolicy(3), 2000)
+    drafting = [max(depths) for depths in history[200:] if any(depths)]
+    assert best_depth == 2
+    assert drafting.count(2) >= 0.75 * len(drafting), {d: drafting.count(d) for d in set(drafting)}
+    assert tokens / seconds >= 0.97 * best_rate
