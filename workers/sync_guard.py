@@ -102,6 +102,12 @@ class _NoHostSyncMode(TorchDispatchMode):
 _depth = 0   # > 0 while a guarded region runs (the patched Tensor methods check it)
 
 
+def guarded() -> bool:
+    """True inside :func:`no_host_sync` (code that may choose a sync-free form asks this, e.g. the
+    MoE reference on CPU, which otherwise reads its per-expert counts back)."""
+    return _depth > 0
+
+
 def _host_read(name: str, method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):

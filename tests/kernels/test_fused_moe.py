@@ -63,13 +63,14 @@ def test_fused_moe_split_k_matches_reference(dtype):
 
 
 def test_fused_moe_reference_regimes_agree(monkeypatch):
-    """The pair-wise reference (decode-sized steps: no host sync), also one pair per chunk, == the
-    per-expert loop (long steps)."""
+    """The pair-wise reference (graph-safe decode-sized steps: no host sync), also one pair per
+    chunk, == the per-expert form (long steps, and every step that need not be graph-safe: CPU)."""
     import importlib
 
     module = importlib.import_module("shardserve.kernels.fused_moe")
     x, w13, w2, weights, ids = make_inputs(9, 48, 40, 4, 2, 2, True, torch.float64)
     pairwise = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_moe_ref(x, w13, w2, weights, ids, graph_safe=False), pairwise)
     monkeypatch.setattr(module, "PAIRWISE_CHUNK_BYTES", 1)
     torch.testing.assert_close(fused_moe_ref(x, w13, w2, weights, ids), pairwise)
     monkeypatch.setattr(module, "PAIRWISE_MAX_TOKENS", 0)

@@ -25,6 +25,7 @@ from shardserve.kernels import fused_moe, silu_and_mul
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.compilation import opaque_call, tp_all_reduce
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.workers.sync_guard import guarded
 
 
 class GatedMLP(nn.Module):
@@ -148,10 +149,13 @@ class FusedExperts(nn.Module):
         return (self._experts(hidden, weights, expert_ids),)
 
     def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        # sync-free where a CUDA graph may capture the step (or the CPU stand-in checks it as if)
+        graph_safe = hidden.is_cuda or guarded()
         if self.w13_weight.dtype == torch.float8_e4m3fn:   # kept in FP8 on GPUs (workers/fp8.py)
             return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first,
-                             self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block_size)
-        return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first)
+                             self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block_size, graph_safe)
+        return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first,
+                         graph_safe=graph_safe)
 
 
 class DeepseekMoE(nn.Module):
