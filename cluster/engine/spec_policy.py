@@ -24,9 +24,11 @@ Cost (seconds, fitted online by least squares with exponential forgetting):
 Each step the policy compares staying plain with drafting at every depth ``1..K`` (per request
 the depth is cut where ``prod c_i`` falls below what a draft token costs at the plain rate) and
 keeps the best expected rate; drafting must beat the plain rate by 5 % (a misjudged cost must not
-make decoding slower), and while it drafts, one step in 33 stays plain (the draft cache kept warm)
-so that ``T(B)`` is measured again: the plain rate is what drafting is compared with, and an early
-slow plain step would otherwise make drafting look better for good. Plain steps skip the draft model entirely ("cold": the MTP cache then
+make decoding slower). While it drafts, every 17th step re-measures, alternately a plain step (the
+draft cache kept warm), so that ``T(B)`` is measured again (the plain rate is what drafting is
+compared with, and an early slow plain step would otherwise make drafting look better for good),
+and a step one draft shallower (from depth 1: deeper), so that the cost fits see two depths and
+can tell a fixed cost from a per-draft one. Plain steps skip the draft model entirely ("cold": the MTP cache then
 misses those positions, which only weakens later drafts) unless drafting's estimate reaches the plain
 rate (short of the 5 % margin), when the draft keeps its cache warm for a switch. A warm pass is not
 free (one MTP forward per step: 15 % of a batch-1 step of the demo model), so a policy that stayed
@@ -44,37 +46,63 @@ PRIOR_STRENGTH = 4.0         # pseudo-trials of the pooled acceptance in a reque
 POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates follow recent traffic
 WARM_MARGIN = 1.0            # stay warm only while drafting's estimate reaches the plain rate (a warm pass costs)
 DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
-PLAIN_RECHECK = 32           # drafting steps between two warm plain steps that re-measure T(B)
+RECHECK_INTERVAL = 16        # drafting steps between two re-measuring steps (plain, then a neighbour depth)
 MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
 
 
 class LinearFit:
-    """Recursive least squares ``y ~ w . x`` with exponential forgetting (a ridge prior keeps it
-    defined before enough data arrives; the prior pulls towards ``prior``).
+    """Least squares ``y ~ w . x`` over exponentially forgotten observations, with a ridge toward
+    ``prior`` that is never forgotten: ``w = (sum f^age x x^T + s I)^-1 (sum f^age x y + s prior)``.
+
+    Recursive least squares with forgetting (the first version) winds up where the data do not vary
+    a regressor: at batch 1 every verify step had 3 drafts, so ``J + 3 v`` was all it saw, its
+    covariance grew without bound along that direction, and the fit drifted to ``J = 13 ms,
+    v = -2.3 ms``: a shallower verify looked dearer than a deeper one, and the policy drafted 3 deep
+    where 2 was faster (issue 31). Here the ridge holds such a direction at the smallest weights
+    that explain the data (the policy also varies the depth now and then, see
+    :meth:`AdaptivePolicy.depths`).
 
     Args:
-        prior: initial weights. strength: ridge weight of the prior. forget: per-observation decay.
+        prior: weights the ridge pulls toward. strength: ridge weight ``s``. forget: per-observation decay ``f``.
     """
 
     def __init__(self, prior: list[float], strength: float = 1e-3, forget: float = 0.98) -> None:
         size = len(prior)
+        self.prior = list(prior)
         self.w = list(prior)
+        self.strength = strength
         self.forget = forget
-        self.p = [[(1.0 / strength if i == j else 0.0) for j in range(size)] for i in range(size)]
+        self.xx = [[0.0] * size for _ in range(size)]
+        self.xy = [0.0] * size
         self.count = 0
 
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.w, x))
 
     def observe(self, x: list[float], y: float) -> None:
-        size = len(self.w)
-        px = [sum(self.p[i][j] * x[j] for j in range(size)) for i in range(size)]
-        denom = self.forget + sum(x[i] * px[i] for i in range(size))
-        gain = [v / denom for v in px]
-        error = y - self.predict(x)
-        self.w = [w + g * error for w, g in zip(self.w, gain)]
-        self.p = [[(self.p[i][j] - gain[i] * px[j]) / self.forget for j in range(size)] for i in range(size)]
+        size, f = len(self.w), self.forget
+        self.xx = [[f * self.xx[i][j] + x[i] * x[j] for j in range(size)] for i in range(size)]
+        self.xy = [f * self.xy[i] + x[i] * y for i in range(size)]
+        self.w = _solve([[self.xx[i][j] + (self.strength if i == j else 0.0) for j in range(size)]
+                         for i in range(size)], [self.xy[i] + self.strength * self.prior[i] for i in range(size)])
         self.count += 1
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """``matrix^-1 rhs`` by Gaussian elimination with partial pivoting (``matrix`` is symmetric
+    positive definite here: a Gram matrix plus a ridge)."""
+    size = len(rhs)
+    rows = [list(row) + [value] for row, value in zip(matrix, rhs)]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, size):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
+    out = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        out[r] = (rows[r][size] - sum(rows[r][c] * out[c] for c in range(r + 1, size))) / rows[r][r]
+    return out
 
 
 @dataclass(slots=True)
@@ -151,7 +179,8 @@ class AdaptivePolicy(FixedPolicy):
         self.requests: dict[str, _Acceptance] = {}
         self.warm = True                                # the last decision keeps the draft cache filled
         self.cold_steps = 0
-        self.drafting_steps = 0                         # since the last plain step
+        self.drafting_steps = 0                         # since the last re-measuring step
+        self.rechecks = 0
         self.probe_interval = 64
         self.seen_batches: set[int] = set()             # batch-size buckets with a measured drafting step
 
@@ -241,9 +270,12 @@ class AdaptivePolicy(FixedPolicy):
         if any(best):                                        # drafting pays again: probe soon after it stops
             self.probe_interval = 64
             self.drafting_steps += 1
-            if self.drafting_steps > PLAIN_RECHECK:          # a warm plain step keeps T(B) current
-                self.drafting_steps = 0
-                return [0] * num_seqs
+            if self.drafting_steps > RECHECK_INTERVAL:       # re-measure: alternately a warm plain step
+                self.drafting_steps = 0                      # (T(B) current) and one a draft off the best
+                self.rechecks += 1                           # depth (the cost fits see two depths)
+                if self.rechecks % 2:
+                    return [0] * num_seqs
+                return [_neighbour(depth, c.max_depth) for depth, c in zip(best, candidates)]
         else:
             self.drafting_steps = 0
         return best
@@ -276,6 +308,13 @@ def _cut(reach: list[float], depth: int, floor: float) -> int:
         if prob >= floor:
             best = j + 1
     return best
+
+
+def _neighbour(depth: int, max_depth: int) -> int:
+    """A re-measuring step's depth beside ``depth``: one shallower, or from depth 1 one deeper."""
+    if depth > 1:
+        return depth - 1
+    return min(depth + 1, max_depth) if depth else 0
 
 
 def _bucket(num_seqs: int) -> int:

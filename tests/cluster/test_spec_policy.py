@@ -80,7 +80,8 @@ def test_linear_fit_recovers_a_line():
 def test_adaptive_reaches_the_best_fixed_depth(case):
     """Against every fixed depth 0..4 on the same simulated engine: the adaptive policy's rate is
     within 10 % of the best one's (it pays for its exploration), and its late choices are that depth
-    (or a neighbour: two depths can be nearly equal), but for one plain step in 33 while drafting."""
+    (or a neighbour: two depths can be nearly equal, and every 17th step re-measures at a neighbour
+    or plain), but for one plain step in 34 while drafting."""
     sim = {"batch 1, good acceptance": Simulation([[0.8, 0.7, 0.6, 0.5]]),
            "batch 32, compute-bound": Simulation([[0.6, 0.4, 0.3, 0.2]] * 32, b=0.002, v=0.002, d=(0.0005, 0.0008,
                                                                                               0.002, 0.0004)),
@@ -92,7 +93,7 @@ def test_adaptive_reaches_the_best_fixed_depth(case):
           f"late depths {sorted(set(late))}")
     assert tokens / seconds > 0.9 * best_rate
     rechecks = late.count(0) if best_depth >= 2 else 0
-    assert rechecks <= 100 // 33 + 1 and (best_depth < 2 or rechecks >= 1)
+    assert rechecks <= 100 // 34 + 1 and (best_depth < 2 or rechecks >= 1)
     assert all(abs(depth - best_depth) <= 1 for depth in late if depth or best_depth < 2)
 
 
@@ -147,7 +148,7 @@ def test_cold_policy_probes_again_and_follows_a_batch_that_shrinks():
     late = [i for i in drafted if i >= 100]
     assert not policy.warm and 1 <= len(late) <= 6, f"probe steps after the first 100: {late}"
     _, _, history = Simulation(rates).run(policy, 60)
-    assert all(any(depths) for depths in history[-20:])
+    assert sum(1 for depths in history[-20:] if not any(depths)) <= 1      # a plain re-measuring step at most
 
 
 def test_make_policy():
