@@ -9,10 +9,9 @@ and its ratio to k = 0's median of the same run. Two clocks per row:
 - decode-only: from the step in which the last request got its first token to the end, the tokens
   emitted after each request's first / that time.
 
-The last row, ``k=0 again``, is a second engine identical to the first, timed the same way: two
-identical engines in one process differ by up to ~5 % on a 2-core VM (where each one's tensors
-landed, what ran just before), so its ratio is the run's noise floor, and a ratio within it of
-1.0x does not tell faster from slower.
+Every configuration runs on one engine (its own speculator swapped in, see :func:`measure`). The
+last row, ``k=0 again``, is k = 0 timed a second time in each round: its ratio is the run's noise
+floor, and a ratio within it of 1.0x does not tell faster from slower.
 
 Prefix caching is off, so every repetition prefills its prompts again. The draft model runs on the
 engine's own thread: earlier versions ran it on a second torch thread, whose OpenMP team made GNU
@@ -45,6 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]
 
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
+from shardserve.cluster.engine.speculative import Speculator  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
 
 CONFIGS = [("k=0", 0, "fixed"), ("k=1", 1, "fixed"), ("k=2", 2, "fixed"), ("k=3", 3, "fixed"),
@@ -87,26 +87,35 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return ended - started, ended - (first_all or ended), [tokens[i] for i in ids]
 
 
-def make_engine(path: Path, k: int, policy: str, batch: int, prompt_len: int, new_tokens: int) -> LLM:
+def make_engine(path: Path, max_k: int, batch: int, prompt_len: int, new_tokens: int) -> LLM:
+    """One engine whose draft model and buffers serve every configuration up to ``max_k``."""
     blocks = batch * (-(-(prompt_len + new_tokens + 8) // 16)) + 8
-    return LLM(EngineArgs(model=str(path), block_size=16, num_blocks=blocks, speculative_tokens=k,
-                          speculative_policy=policy, max_num_seqs=max(batch, 1), enable_prefix_caching=False),
-               progress=False)
+    return LLM(EngineArgs(model=str(path), block_size=16, num_blocks=blocks, speculative_tokens=max_k,
+                          max_num_seqs=max(batch, 1), enable_prefix_caching=False), progress=False)
 
 
 def measure(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, configs=CONFIGS) -> list[Row]:
-    """Interleaved runs of every configuration on ``prompts`` (greedy, ``ignore_eos``)."""
+    """Interleaved runs of every configuration on ``prompts`` (greedy, ``ignore_eos``).
+
+    Every configuration runs on one engine (one copy of the weights, caches and draft model in
+    memory): each has its own :class:`Speculator` (its policy keeps what it learned across runs),
+    swapped in before its run; k = 0 runs with none. Separate engines per configuration differed by
+    up to 15 % between two runs of the same command (k=1 read 1.24x, then 1.04x), which is where
+    each engine's tensors landed, not what it computes."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    engines = [make_engine(path, k, policy, len(prompts), max(map(len, prompts)), new_tokens) for _, k, policy in configs]
+    llm = make_engine(path, max(k for _, k, _ in configs), len(prompts), max(map(len, prompts)), new_tokens)
+    core = llm.core
+    speculators = [Speculator(llm.drafter, k, policy) if k else None for _, k, policy in configs]
     rows = [Row(name) for name, _, _ in configs]
-    for llm in engines:                                             # warm-up (not timed)
-        timed_generate(llm, prompts, params)
-    for _ in range(repeats):
-        for row, llm in zip(rows, engines):
-            speculator = llm.core.speculator
+    for repeat in range(-1, repeats):                               # repeat -1: warm-up (not timed)
+        for row, speculator in zip(rows, speculators):
+            core.speculator = speculator
+            core.scheduler.config.num_speculative_tokens = speculator.num_speculative_tokens if speculator else 0
             before = (speculator.stats.num_drafts, speculator.stats.num_accepted_tokens,
                       list(speculator.stats.depth_steps)) if speculator else None
             wall, decode, tokens = timed_generate(llm, prompts, params)
+            if repeat < 0:
+                continue
             row.wall_s.append(wall)
             row.decode_s.append(decode)
             row.tokens = tokens
