@@ -10,8 +10,8 @@ drafts at the depth that maximizes expected tokens per second; :class:`FixedPoli
 Acceptance (per request and draft position ``j``): ``c_j``, the chance that draft ``j`` is accepted
 once drafts ``1..j-1`` were, counted per request and pooled over all requests (the pool, which
 follows recent traffic, is the prior of a request with few observations:
-``(hits + m * pool) / (trials + m)``, ``m = 4``), taken one standard error of the pooled rate
-optimistic so that positions few drafts reached lately get tried. A request drafted ``d`` deep then emits
+``(hits + m * pool) / (trials + m)``, ``m = 4``), taken one standard error optimistic (see
+:meth:`AdaptivePolicy.acceptance`) so that what was little tried gets tried. A request drafted ``d`` deep then emits
 ``1 + sum_{j<=d} prod_{i<=j} c_i`` tokens per step on average (Leviathan et al. 2023, eq. 1, with
 position-dependent rates).
 
@@ -33,7 +33,9 @@ misses those positions, which only weakens later drafts) unless drafting's estim
 rate (short of the 5 % margin), when the draft keeps its cache warm for a switch. A warm pass is not
 free (one MTP forward per step: 15 % of a batch-1 step of the demo model), so a policy that stayed
 warm further below the plain rate made decoding slower while drafting nothing (issue 31). Costs that were never measured make the
-policy try drafting at depth 1 for a step (exploration): first while it warms up, then again after
+policy try drafting for a step (exploration; at depths 1, 2, ... K in turn: probing at depth 1 only,
+the fits could not tell a draft's cost per depth, rated deeper drafts too dear, and at batch 8 the
+policy stayed cold where k = 2 and 3 were 14-18 % faster): first while it warms up, then again after
 64, 128, ... 1024 cold steps, or when the batch size moves to one it has not measured.
 """
 
@@ -181,6 +183,7 @@ class AdaptivePolicy(FixedPolicy):
         self.cold_steps = 0
         self.drafting_steps = 0                         # since the last re-measuring step
         self.rechecks = 0
+        self.probes = 0                                 # exploring steps so far (their depth cycles 1..K)
         self.probe_interval = 64
         self.seen_batches: set[int] = set()             # batch-size buckets with a measured drafting step
 
@@ -218,10 +221,11 @@ class AdaptivePolicy(FixedPolicy):
 
     def acceptance(self, req_id: str) -> list[float]:
         """``c_1..c_K`` of a request (conditional acceptance per draft position), optimistic by one
-        standard error of the pooled rate: a position that few drafts reached lately looks better than
-        its mean, so the policy tries it (and learns) instead of never finding out. The error is the
-        pool's, not the request's: requests are short (a 64-token one verifies ~25 times), so an error
-        from its own trials stayed about 0.1 per position for its whole life; multiplied over three
+        standard error: something little tried looks better than its mean, so the policy tries it
+        (and learns) instead of never finding out. ``c_1`` (whether the request drafts at all) by its
+        own trials' error, so a good request among hopeless ones gets tried; deeper positions by the
+        pooled rate's error: requests are short (a 64-token one verifies ~25 times), so an error from
+        their own trials stayed about 0.1 per position for their whole life; multiplied over three
         positions that rated the third draft 1.5x what it returned, and the policy drafted 3 deep
         where 2 was faster (issue 31)."""
         mine = self.requests.get(req_id, _Acceptance())
@@ -231,7 +235,8 @@ class AdaptivePolicy(FixedPolicy):
             trials = mine.trials[j] if j < len(mine.trials) else 0.0
             hits = mine.hits[j] if j < len(mine.hits) else 0.0
             mean = (hits + PRIOR_STRENGTH * pooled) / (trials + PRIOR_STRENGTH)
-            rates.append(min(1.0, mean + (mean * (1.0 - mean) / self.pool.trials[j]) ** 0.5))
+            count = trials + PRIOR_STRENGTH if j == 0 else self.pool.trials[j]
+            rates.append(min(1.0, mean + (mean * (1.0 - mean) / count) ** 0.5))
         return rates
 
     def _costs_known(self) -> bool:
@@ -246,10 +251,12 @@ class AdaptivePolicy(FixedPolicy):
             self.warm = True
             return [0] * num_seqs
         if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
-            if self._costs_known():                          # then steps drafting one token each
-                self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)
-            self.warm, self.cold_steps = True, 0
-            return [min(1, c.max_depth) for c in candidates]
+            if self._costs_known():                          # then drafting steps at depths 1, 2, ... K in
+                self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)   # turn: fits that
+            self.warm, self.cold_steps = True, 0             # saw one depth only cannot tell its cost per draft
+            depth = 1 + self.probes % self.max_depth
+            self.probes += 1
+            return [min(depth, c.max_depth) for c in candidates]
         reach = [_reach(self.acceptance(c.req_id), c.max_depth) for c in candidates]   # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs)]), 1e-6)
         plain_rate = num_seqs / plain_s

@@ -139,15 +139,18 @@ def test_a_slow_start_does_not_lock_drafting_in():
 def test_cold_policy_probes_again_and_follows_a_batch_that_shrinks():
     """At batch 32 on a compute-bound engine drafting does not pay: the draft model goes cold
     (exploring again now and then, ever more rarely). When the batch shrinks to 1 request, drafting
-    pays and the policy drafts again."""
+    pays and the policy drafts again. One engine: the same costs at both sizes (each query row, a
+    batch's or a verified draft's, costs 1 ms over a 10 ms step)."""
     rates = [[0.8, 0.7, 0.6, 0.5]]
-    big = Simulation(rates * 32, b=0.002, v=0.002, d=(0.0005, 0.0008, 0.002, 0.0004))
+    costs = dict(a=0.010, b=0.001, j=0.0005, v=0.001, d=(0.0005, 0.0008, 0.0005, 0.0001))
+    big = Simulation(rates * 32, **costs)
+    assert _best_fixed_rate(big)[1] < big.plain_rate() and _best_fixed_rate(Simulation(rates, **costs))[0] >= 2
     policy = AdaptivePolicy(4)
     _, _, history = big.run(policy, 600)
     drafted = [i for i, depths in enumerate(history) if any(depths)]
     late = [i for i in drafted if i >= 100]
     assert not policy.warm and 1 <= len(late) <= 6, f"probe steps after the first 100: {late}"
-    _, _, history = Simulation(rates).run(policy, 60)
+    _, _, history = Simulation(rates, **costs).run(policy, 60)
     assert sum(1 for depths in history[-20:] if not any(depths)) <= 1      # a plain re-measuring step at most
 
 
