@@ -250,11 +250,12 @@ def _mlp(mlp, tokens: int, hidden: int, d: int, triton: bool) -> int:
     return _n(tokens, 2 * inter) * d + _n(tokens, inter) * d * (1 if triton else 2) + _n(tokens, hidden) * d * 2
 
 
-def _experts(experts, tokens: int, top_k: int, d: int, triton: bool) -> int:
+def _experts(experts, tokens: int, top_k: int, d: int, triton: bool, graph_safe: bool = False) -> int:
     """Routed experts (:func:`kernels.fused_moe`). Triton: the pair alignment, the SiLU-mul
-    intermediate ``[T k, I]`` and the float32 pair outputs ``[T k, H]``. Reference:
-    pair-wise up to ``PAIRWISE_MAX_TOKENS`` tokens (a chunk of pairs against their gathered expert
-    weights), else a per-expert loop over at most ``T`` tokens; FP8 experts dequantized whole."""
+    intermediate ``[T k, I]`` and the float32 pair outputs ``[T k, H]``. Reference (the CPU path,
+    not graph-safe): the pairs sorted by expert, then one expert's rows (at most ``T``) at a time;
+    FP8 experts dequantized whole. ``graph_safe`` (the decode-graph stand-in on CPU): the pair-wise
+    reference, a chunk of pairs against their gathered weights."""
     hidden, inter, local = experts.hidden_size, experts.intermediate_size, experts.count
     pairs = tokens * top_k
     if triton:
@@ -262,28 +263,28 @@ def _experts(experts, tokens: int, top_k: int, d: int, triton: bool) -> int:
         capacity = -(-(pairs + min(pairs, local) * (block_m - 1)) // block_m) * block_m
         align = _n(pairs) * 8 * 6 + capacity * 4 + _n(local + 1) * 8 * 4
         return align + _n(pairs, inter) * d + _n(pairs, hidden) * 4 + _n(tokens, hidden) * (4 + d)
-    if tokens <= PAIRWISE_MAX_TOKENS:   # the pair-wise reference: gathered weights of a chunk of pairs
+    if graph_safe and tokens <= PAIRWISE_MAX_TOKENS:
         per_pair = 3 * inter * hidden * d
         chunk = min(pairs, max(1, PAIRWISE_CHUNK_BYTES // per_pair))
         total = (_n(tokens, top_k) * (8 * 3 + 4 * 2 + 1) + _n(pairs, hidden) * d * 2 + chunk * per_pair
                  + _n(chunk, 2 * inter) * d * 2 + _n(chunk, inter) * d * 2 + _n(chunk, hidden) * d * 3
                  + _n(tokens, hidden) * d * 2)
     else:
-        total = _n(tokens, hidden) * d + _n(tokens, top_k) * (1 + 8 * 3)
-        total += _n(tokens, hidden) * (3 * d + 4) + _n(tokens, inter) * d * 4            # one expert's rows
+        total = _n(tokens, hidden) * d + _n(tokens, top_k) * (1 + 8 * 4)               # out, the sort
+        total += _n(tokens, hidden) * (3 * d + 4) + _n(tokens, inter) * d * 4 + _n(tokens) * 8 * 2   # one expert's rows
     if experts.w13_weight.dtype == torch.float8_e4m3fn:
         total += (experts.w13_weight.numel() + experts.w2_weight.numel()) * d + _n(2 * inter, hidden) * 4 * 3
     return total
 
 
-def _moe(moe, tokens: int, hidden: int, d: int, triton: bool) -> int:
+def _moe(moe, tokens: int, hidden: int, d: int, triton: bool, graph_safe: bool = False) -> int:
     """A MoE sublayer: router (float32 scores and masks over the experts), routed experts, the
     shared expert(s), their sum (and the all-reduce)."""
     num_experts = moe.gate.weight.shape[0]
     top_k = getattr(moe.gate, "top_k", None) or moe.top_k
     router = _n(tokens, hidden) * 4 + _n(tokens, num_experts) * (4 * 5 + 3) + _n(tokens, top_k) * (4 * 4 + 8 * 2)
     shared = getattr(moe, "shared_experts", None) or getattr(moe, "shared_expert", None)
-    total = router + _experts(moe.experts, tokens, top_k, d, triton)
+    total = router + _experts(moe.experts, tokens, top_k, d, triton, graph_safe)
     if shared is not None:
         total += _mlp(shared, tokens, hidden, d, triton) + _n(tokens, hidden) * d * 3   # gate, product
     return total + _n(tokens, hidden) * d * 2
@@ -292,7 +293,7 @@ def _moe(moe, tokens: int, hidden: int, d: int, triton: bool) -> int:
 # -- whole step ------------------------------------------------------------------------------
 
 def _sublayer_peaks(layer, shape: StepShape, hidden: int, d: int, top_k: int | None, triton: bool,
-                    block_size: int) -> int:
+                    block_size: int, graph_safe: bool = False) -> int:
     """The larger of a decoder layer's token mixer and its MLP / MoE."""
     from shardserve.workers.models.gated_deltanet import GatedDeltaNet
     from shardserve.workers.models.mla import MLAAttention
@@ -306,7 +307,7 @@ def _sublayer_peaks(layer, shape: StepShape, hidden: int, d: int, top_k: int | N
         attn = _gqa(mixer, shape, hidden, d, triton, gated=type(mixer).__name__ == "Qwen3NextAttention")
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
-        ffn = _moe(mlp, shape.num_tokens, hidden, d, triton)
+        ffn = _moe(mlp, shape.num_tokens, hidden, d, triton, graph_safe)
     else:
         ffn = _mlp(mlp, shape.num_tokens, hidden, d, triton)
     return max(attn, ffn)
@@ -330,7 +331,7 @@ def _inputs(shape: StepShape, block_size: int) -> int:
     return inputs + (_n(t + 2 * b + 1) * 8 + _n(b, -(-s // block_size)) * 4) * 2
 
 
-def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int = 16) -> int:
+def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int = 16, graph_safe: bool = False) -> int:
     """Peak bytes a forward of ``shape`` (with the LM head and the sampler over its logit rows)
     allocates on this rank above the weights and caches: the activation reserve.
 
@@ -342,6 +343,8 @@ def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int
             a captured graph).
         triton: the CUDA path's kernels (True) or the torch references (False).
         block_size: tokens per KV block (the block tables' width).
+        graph_safe: a step run under the decode graphs' guard (the CPU stand-in, ``replay``): the
+            torch MoE reference then takes its sync-free pair-wise form.
 
     Returns:
         bytes (an upper bound of the GPU path; see the module docstring for what is counted).
@@ -357,7 +360,7 @@ def step_activation_bytes(model, shape: StepShape, triton: bool, block_size: int
     t = shape.num_tokens
     stream = _n(t, hidden) * d * 4 + _norm(t, hidden, d, triton)              # hidden, residual, norm outputs
     embed = _n(t, hidden) * d * 3 + _n(t) * 8 * 3
-    peak = max(_sublayer_peaks(layer, shape, hidden, d, top_k, triton, block_size) for layer in layers)
+    peak = max(_sublayer_peaks(layer, shape, hidden, d, top_k, triton, block_size, graph_safe) for layer in layers)
     rows = shape.num_logit_rows
     logits = _n(rows, hidden) * d * 2 + _logits(head, rows, d)
     return _inputs(shape, block_size) + max(embed, stream + peak, stream + logits)

@@ -271,6 +271,9 @@ def plan_rank(model, config: PlanConfig, rank: int, draft=None) -> RankPlan:
     activation = step_activation_bytes(model, shape, config.triton, bs)
     if draft is not None:
         activation = max(activation, step_activation_bytes(draft, shape, config.triton, bs))
+    if backend == "replay":   # its decode steps run the MoE reference's sync-free form
+        decode = StepShape.decode(config.max_num_seqs, config.max_model_len)
+        activation = max(activation, step_activation_bytes(model, decode, config.triton, bs, graph_safe=True))
     capacity = (int(config.gpu_memory_utilization * config.device_bytes) if config.device == "cuda"
                 else config.device_bytes)
     plan = RankPlan(

@@ -149,8 +149,9 @@ class FusedExperts(nn.Module):
         return (self._experts(hidden, weights, expert_ids),)
 
     def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        # sync-free where a CUDA graph may capture the step (or the CPU stand-in checks it as if)
-        graph_safe = hidden.is_cuda or guarded()
+        # sync-free where a graph is captured: under the guard that captures and their CPU stand-in
+        # run (the torch references are never captured on CUDA: they read back elsewhere too)
+        graph_safe = guarded()
         if self.w13_weight.dtype == torch.float8_e4m3fn:   # kept in FP8 on GPUs (workers/fp8.py)
             return fused_moe(hidden, self.w13_weight, self.w2_weight, weights, expert_ids - self.first,
                              self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block_size, graph_safe)
