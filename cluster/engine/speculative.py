@@ -252,8 +252,7 @@ class Speculator:
             self.policy.forget(req_id)
         depths = self._depths(core, batch)
         if not batch.plan.return_hidden:   # cold: the draft model skips this step, nothing is drafted
-            # (no candidates while a step sent ahead is in flight: its decodes are this step's samples)
-            self.stats.depth_steps[0] += len(depths) if depths else sum(s.sample for s in batch.plan.scheduled)
+            self.stats.depth_steps[0] += len(depths)
             return None
         for depth in depths.values():
             self.stats.depth_steps[depth] += 1
