@@ -33,9 +33,9 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
       its gathered expert weights (no host sync, no data-dependent shape: CUDA graphs may capture it);
     - otherwise per expert that got tokens, its rows through its weights in place (one host read of
       the per-expert counts). On CPU this is what runs: gathering a ``[2I, hidden]`` weight copy
-      per pair made the pair-wise form 1.7x-7x slower from 2 to 32 tokens (demo model's experts:
-      0.83 vs 0.37 ms at 2 tokens, 10.9 vs 1.5 ms at 32), which made every MTP verify row cost
-      ~1 ms per MoE layer (issue 31).
+      per pair made the pair-wise form 1.6x-5x slower from 1 to 32 tokens (demo model's experts,
+      one run: 1.06 vs 0.61 ms at 2 tokens, 10.9 vs 2.1 ms at 32), which made every MTP verify row
+      cost ~1 ms per MoE layer (issue 31).
 
     Args:
         hidden: ``[T, hidden]``.

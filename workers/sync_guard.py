@@ -110,13 +110,13 @@ def guarded() -> bool:
 
 def _host_read(name: str, method):
     @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
+    def checked(self, *args, **kwargs):
         if _depth > 0:
             raise HostSyncError(f"Tensor.{name}() in a captured step reads the tensor on the host")
         return method(self, *args, **kwargs)
 
-    guarded.__wrapped_host_read__ = method
-    return guarded
+    checked.__wrapped_host_read__ = method
+    return checked
 
 
 def _suspended(call):

@@ -251,11 +251,11 @@ class AdaptivePolicy(FixedPolicy):
             self.warm = True
             return [0] * num_seqs
         if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
-            if self._costs_known():                          # then drafting steps at depths 1, 2, ... K in
-                self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)   # turn: fits that
-            self.warm, self.cold_steps = True, 0             # saw one depth only cannot tell its cost per draft
-            depth = 1 + self.probes % self.max_depth
-            self.probes += 1
+            if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
+                self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)
+            self.warm, self.cold_steps = True, 0
+            depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
+            self.probes += 1                                 # a fixed cost from a per-draft one
             return [min(depth, c.max_depth) for c in candidates]
         reach = [_reach(self.acceptance(c.req_id), c.max_depth) for c in candidates]   # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs)]), 1e-6)
