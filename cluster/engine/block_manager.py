@@ -122,8 +122,9 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-        request.block_ids.extend(computed_blocks)
-        request.num_cached_blocks = len(request.block_ids)
+        if computed_blocks:   # an admission's hits are registered already; blocks allocated below are not
+            request.block_ids.extend(computed_blocks)
+            request.num_cached_blocks = len(request.block_ids)
         self.prefix_hits += len(computed_blocks) * self.block_size
         request.num_cached_tokens = max(request.num_cached_tokens, len(computed_blocks) * self.block_size)
         for _ in range(max(need, 0)):

@@ -84,3 +84,37 @@ def test_allocation_is_all_or_nothing():
     req = make_request(range(5))
     assert not bm.allocate_slots(req, 5)
     assert req.block_ids == [] and bm.num_free_blocks == 2
+
+
+def test_blocks_filled_by_decoding_are_cached():
+    """A block that fills while the request decodes is registered like a prompt block (the next turn
+    of a chat reuses the answer). The decode step's allocation once marked every block it found as
+    registered, partial ones included, so a block that was partial at the prefill never was."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    req = make_request(range(6), "a")
+    admit(bm, req)
+    for token in range(6, 13):   # decode: allocate for the new token, compute it, then register
+        req.output_token_ids.append(token)
+        assert bm.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        bm.cache_full_blocks(req)
+    bm.free(req)
+    follow_up = make_request(range(14), "b")
+    assert admit(bm, follow_up) == 12
+
+
+def test_async_scheduling_registers_the_step_before_the_one_sent_ahead():
+    """With async scheduling the next step is allocated before the last one's result registers its
+    blocks: the prompt's blocks must still reach the prefix cache (a second identical prompt hits)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    req = make_request(range(10), "a")
+    hits, num = bm.get_computed_blocks(req)
+    assert bm.allocate_slots(req, req.num_tokens - num, hits)
+    req.num_computed_tokens = req.num_tokens          # the prefill, in flight
+    assert bm.allocate_slots(req, 1)                  # the decode sent ahead (a placeholder token)
+    req.num_computed_tokens += 1
+    bm.cache_full_blocks(req)                         # the prefill's result is back
+    req.output_token_ids.append(10)
+    bm.free(req)
+    again = make_request(range(10), "b")
+    assert bm.get_computed_blocks(again)[1] == 8
