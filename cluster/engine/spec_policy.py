@@ -243,8 +243,11 @@ class AdaptivePolicy(FixedPolicy):
         return min(self.plain.count, self.verify.count, self.draft.count) >= MIN_OBSERVATIONS
 
     def depths(self, candidates: list[Candidate]) -> list[int]:
-        """Each candidate's drafts for the next step (0: none); updates the warm/cold state."""
+        """Each candidate's drafts for the next step (0: none); updates the warm/cold state. No
+        candidates while cold: a step sent ahead is in flight (async scheduling), one more cold step."""
         if not candidates:
+            if not self.warm:
+                self.cold_steps += 1
             return []
         num_seqs = len(candidates)
         if self.plain.count < MIN_OBSERVATIONS:              # explore: plain steps (cache kept warm) first,

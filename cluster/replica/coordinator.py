@@ -126,6 +126,7 @@ class Coordinator:
         self.served = CheckpointManifest.from_config(self.files.path, self.hf_config, shapes)
         self.worker_status: list[dict] = []            # last answer of every worker process (ModelInfo)
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
+        self.steps_sent_ahead = 0                      # steps sent before the previous one was read
         self._queues: dict[str, asyncio.Queue] = {}
         self._group_of: dict[str, str] = {}            # request id -> client request (router's group id)
         self._group_calls: collections.Counter = collections.Counter()   # group -> calls not finished
@@ -167,9 +168,23 @@ class Coordinator:
 
     @property
     def _pipelined(self) -> bool:
-        """Async scheduling is on: actor-call dispatch and no MTP drafting (whose proposals need the
-        last step's accepted tokens before the next step is planned)."""
-        return self.core.speculator is None and self.group.can_pipeline
+        """Async scheduling is on: actor-call dispatch, and no speculation or an adaptive one, which
+        is pipelined while it drafts nothing (:meth:`_may_send_ahead`)."""
+        speculator = self.core.speculator
+        return self.group.can_pipeline and (speculator is None or speculator.policy.name == "adaptive")
+
+    def _may_send_ahead(self, in_flight) -> bool:
+        """Whether the next step may be sent before the last one in flight is read. With MTP, not
+        after a step that verifies drafts (how many it accepts decides the next positions) or keeps
+        its hidden states for a draft pass (the next step verifies what that pass drafts): an
+        adaptive policy that has gone cold decodes with async scheduling like no speculation at all,
+        instead of paying the round trip on every step for drafts it does not make (issue 31)."""
+        if not self._pipelined:
+            return False
+        if self.core.speculator is None or not in_flight:
+            return True
+        plan = in_flight[-1][0].plan
+        return not plan.return_hidden and not any(s.num_spec_tokens for s in plan.scheduled)
 
     async def _run_steps(self) -> None:
         """Run engine steps (``schedule -> execute on all ranks -> update``, then MTP drafting) until
@@ -181,11 +196,11 @@ class Coordinator:
         it is done instead of idling through the round trip (result back, update, schedule, plan
         out; about 2 ms per CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is
         still being sampled gets a placeholder that rank 0 fills with its own sample."""
-        depth = 2 if self._pipelined else 1   # steps in flight at most
         in_flight: collections.deque[list] = collections.deque()   # [batch, submitted, started]
         while True:
             nothing_to_run = False
-            if len(in_flight) < depth and self.healthy and not self._boundary_waiters and self._has_work():
+            ready = not in_flight or (len(in_flight) < 2 and self._may_send_ahead(in_flight))
+            if ready and self.healthy and not self._boundary_waiters and self._has_work():
                 batch = self.core.schedule()
                 nothing_to_run = not batch.plan.scheduled
                 if not nothing_to_run:
@@ -194,7 +209,9 @@ class Coordinator:
                     except WorkerDiedError as exc:
                         await self._fail(str(exc))
                         return
-                    if len(in_flight) < depth:
+                    if len(in_flight) > 1:
+                        self.steps_sent_ahead += 1
+                    elif self._may_send_ahead(in_flight):
                         continue   # send the next one before reading this one
             if not in_flight:
                 if nothing_to_run:   # work, but none schedulable now (e.g. no free blocks)
@@ -575,7 +592,8 @@ class Coordinator:
             + [{key: w[key] for key in ("role", "rank", "pid", "bundle_index", "weight_loads")}
                for w in self.worker_status],
             **self.placement(), "draining": self.draining,
-            "async_scheduling": self._pipelined, "num_preemptions": self.core.scheduler.num_preemptions,
+            "async_scheduling": self._pipelined, "steps_sent_ahead": self.steps_sent_ahead,
+            "num_preemptions": self.core.scheduler.num_preemptions,
             "num_grammar_matchers": num_live_grammars(),
         }
 

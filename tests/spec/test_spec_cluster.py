@@ -3,7 +3,8 @@ placement bundle (no bundle of its own: TP=N with MTP needs N devices), sharing 
 Greedy completions with speculation (fixed depths, and the adaptive policy) equal the
 single-process engine's plain decoding (with structured outputs and penalties too), the acceptance
 counters reach ModelInfo (also over gRPC), each response's usage and Prometheus text (vLLM's names
-too), and every block returns to the pool."""
+too), and every block returns to the pool. An adaptive policy that has gone cold is pipelined (async
+scheduling) with unchanged tokens."""
 
 from __future__ import annotations
 
@@ -71,6 +72,13 @@ def test_coordinator_tp2_with_draft_actor(ray_cluster, replicas, mtp_checkpoint,
         assert not spec.num_drafts or abs(spec.acceptance_length - (1 + spec.num_accepted_tokens / spec.num_drafts)) < 1e-6
         if policy == "fixed":
             assert spec.num_drafts > 0
+        else:   # the random MTP's drafts are (almost) never accepted: the policy goes cold, and then its
+            # steps are sent ahead (async scheduling) like plain decoding's, with the same tokens
+            long = plain.generate([batch[1]], greedy(60))[0].token_ids
+            before = ray_cluster.get(handle.model_info.remote())["steps_sent_ahead"]
+            assert ray_cluster.get(handle.complete.remote(batch[1], greedy(60)))["token_ids"] == long
+            info = ray_cluster.get(handle.model_info.remote())
+            assert info["async_scheduling"] and info["steps_sent_ahead"] - before > 20, info["steps_sent_ahead"]
         _assert_draft_shares_rank0_bundle(ray_cluster, handle)
     finally:
         replicas.stop(handle)
