@@ -3,7 +3,9 @@
 Follows nano-vllm's block manager and vLLM's ``KVCacheManager``: a block's hash covers its tokens
 and its predecessor's hash, so equal hashes mean equal prefixes; a hit is confirmed by comparing
 token ids (guards hash collisions). Blocks are hashed only once full. Freed blocks keep their
-hash and stay reusable until evicted from the front of the free queue. Block ids are shared by
+hash and stay reusable until evicted from the front of the free queue; two blocks may hold one
+hash (requests that computed a prefix side by side), and the prefix stays cached while either
+lives (as vLLM's hash-to-blocks map). Block ids are shared by
 every cache of a sequence (KV, MLA latent, DSA indexer keys, draft model caches).
 
 Tenants: the chain of a request starts from its ``cache_seed`` (:func:`cache_seed` of its tenant,
@@ -70,6 +72,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        # Other blocks holding a cached hash (two requests computed one prefix side by side, or a
+        # block re-registered one whose copy sits in the free queue): one takes over when the block
+        # in ``cached`` is evicted, so the prefix stays cached while any copy lives.
+        self._copies: dict[int, list[int]] = {}
         self.prefix_hits = 0               # prompt tokens served from the prefix cache (metric)
         self.prefix_queries = 0            # prompt tokens looked up in the prefix cache (metric, as vLLM's)
         self.events: list[tuple[int, int]] | None = None   # (kind, hash) while someone listens
@@ -131,11 +137,7 @@ class BlockManager:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:  # evict its cached contents
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                    if self.events is not None:
-                        self.events.append((REMOVED, block.hash))
-                block.hash, block.token_ids = None, None
+                self._evict(block)
             block.ref_count = 1
             request.block_ids.append(block_id)
         return True
@@ -153,15 +155,33 @@ class BlockManager:
             chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
             block = self.blocks[request.block_ids[i]]
             block.hash, block.token_ids = block_hash(parent, chunk), tuple(chunk)
-            if self.cached.setdefault(block.hash, block.block_id) == block.block_id and self.events is not None:
+            if self.cached.setdefault(block.hash, block.block_id) != block.block_id:
+                self._copies.setdefault(block.hash, []).append(block.block_id)
+            elif self.events is not None:
                 self.events.append((STORED, block.hash))
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def _evict(self, block: Block) -> None:
+        """Drop ``block``'s hash; a copy of the block takes its place in :attr:`cached` if one lives."""
+        copies = self._copies.get(block.hash, [])
+        if self.cached.get(block.hash) != block.block_id:
+            copies.remove(block.block_id)
+        elif copies:
+            self.cached[block.hash] = copies.pop()
+        else:
+            del self.cached[block.hash]
+            if self.events is not None:
+                self.events.append((REMOVED, block.hash))
+        if not copies:
+            self._copies.pop(block.hash, None)
+        block.hash, block.token_ids = None, None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after the KV contents were changed outside this manager)."""
         for block in self.blocks:
             block.hash, block.token_ids = None, None
         self.cached.clear()
+        self._copies.clear()
         if self.events is not None:
             self.events[:] = [(CLEARED, 0)]
 

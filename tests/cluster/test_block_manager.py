@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardserve.cluster.engine.block_manager import BlockManager
+from shardserve.cluster.engine.block_manager import REMOVED, STORED, BlockManager, block_hash
 from shardserve.cluster.engine.request import Request, SamplingParams
 
 
@@ -118,3 +118,28 @@ def test_async_scheduling_registers_the_step_before_the_one_sent_ahead():
     bm.free(req)
     again = make_request(range(10), "b")
     assert bm.get_computed_blocks(again)[1] == 8
+
+
+def test_a_copy_of_a_cached_block_takes_over_when_the_first_is_evicted():
+    """Two requests that computed one prefix side by side hold equal blocks; evicting the one the
+    hash map points at must leave the prefix cached in the other (no REMOVED event: it still is)."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.listen()
+    a, b = make_request(range(6), "a"), make_request(range(6), "b")
+    for req in (a, b):   # both admitted before either registered its blocks
+        assert bm.allocate_slots(req, req.num_tokens)
+    for req in (a, b):
+        req.num_computed_tokens = req.num_tokens
+        bm.cache_full_blocks(req)
+    first = block_hash(0, list(range(4)))
+    a_blocks, b_blocks = a.block_ids, b.block_ids
+    assert bm.cached[first] == a_blocks[0]
+    bm.free(a)
+    bm.free(b)
+    assert bm.take_events() == [(STORED, first)]
+    filler = make_request(range(100, 116), "filler")   # the 2 never-used blocks, then a's (freed first)
+    assert bm.allocate_slots(filler, 16) and set(a_blocks) < set(filler.block_ids)
+    assert bm.take_events() == []                      # b's copy keeps the prefix cached
+    assert bm.get_computed_blocks(make_request(range(6), "c")) == ([b_blocks[0]], 4)
+    assert bm.allocate_slots(make_request(range(200, 208), "x"), 8)   # b's blocks go too
+    assert bm.cached == {} and bm._copies == {} and bm.take_events() == [(REMOVED, first)]

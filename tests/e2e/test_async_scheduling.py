@@ -4,7 +4,8 @@ with the other ranks at TP=2). Outputs
 must be exactly the single-process engine's (float32, SmolLM2), through everything that ends or
 interrupts a request between a step's send and its result: EOS, max_tokens, a stop string, seeded
 sampling (its per-request RNG stream is indexed by the output position, placeholders included),
-preemption when the KV pool runs out, and a client that cancels mid-stream; structured outputs
+preemption when the KV pool runs out, and a client that cancels mid-stream; the next turn of a chat
+finds the prompt's and the answer's blocks in the prefix cache; structured outputs
 (a constrained request waits for its token in flight) and penalties (rank 0's counts include its
 own samples) give the single-process engine's tokens too."""
 
@@ -77,6 +78,14 @@ def test_async_scheduling_matches_the_single_process_engine(ray_cluster, replica
         again = ray_cluster.get(handle.complete.remote(ids[0], PARAMS[0]))
         assert again["token_ids"] == expected[0][0]
         wait_for("the cancelled stream's blocks back", lambda: _all_blocks_free(ray_cluster, handle), 30)
+        # The chat's next turn (the prompt and its answer) reuses every full block from the prefix cache:
+        # blocks filled while decoding are registered, and a prefill's blocks while a step is sent ahead.
+        turn, follow = ids[0] + expected[0][0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        hits = ray_cluster.get(handle.model_info.remote())["prefix_cache_hit_tokens"]
+        assert ray_cluster.get(handle.complete.remote(turn, follow))["token_ids"] == \
+            smollm2_llm.generate([turn], [follow])[0].token_ids
+        hit = ray_cluster.get(handle.model_info.remote())["prefix_cache_hit_tokens"] - hits
+        assert hit == (len(turn) - 1) // 16 * 16 >= 32, (hit, len(turn))
     finally:
         replicas.stop(handle)
 
