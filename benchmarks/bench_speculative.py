@@ -11,7 +11,10 @@ and its ratio to k = 0's median of the same run. Two clocks per row:
 
 Every configuration runs on one engine (its own speculator swapped in, see :func:`measure`). The
 last row, ``k=0 again``, is k = 0 timed a second time in each round: its ratio is the run's noise
-floor, and a ratio within it of 1.0x does not tell faster from slower.
+floor, and a ratio within it of 1.0x does not tell faster from slower. The ``paired`` column is a
+second estimate of the wall-clock ratio that cancels the machine's drift: in each round, the mean of
+that round's two k = 0 times over this configuration's time, and the median of that over the rounds
+(on the two k = 0 rows it reads their own spread around that mean).
 
 Prefix caching is off, so every repetition prefills its prompts again. The draft model runs on the
 engine's own thread: earlier versions ran it on a second torch thread, whose OpenMP team made GNU
@@ -129,15 +132,24 @@ def measure(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
     return rows
 
 
+def paired_ratio(rows: list[Row], row: Row) -> float:
+    """Median over rounds of ``mean(k=0's time, k=0 again's time) / row's time`` (wall clock): each
+    round's own k = 0 runs, first and last, are its baseline, so a machine slowing down or speeding
+    up between rounds cancels out. On the two k = 0 rows it reads their spread around that mean."""
+    first, last = rows[0].wall_s, rows[-1].wall_s
+    return statistics.median((a + b) / 2 / t for a, b, t in zip(first, last, row.wall_s))
+
+
 def print_table(title: str, rows: list[Row]) -> None:
     base = rows[0]
     print(f"\n{title}")
-    print(f"{'config':>8} | {'wall tok/s':>10} | {'vs k=0':>6} | {'decode tok/s':>12} | {'vs k=0':>6} | "
+    print(f"{'config':>8} | {'wall tok/s':>10} | {'vs k=0':>6} | {'paired':>6} | {'decode tok/s':>12} | {'vs k=0':>6} | "
           f"{'acc. len':>8} | {'depths 0..k (seq-steps)':<24} | same")
     for row in rows:
         acc = f"{row.acceptance_length:.2f}" if row.acceptance_length else "-"
         depths = " ".join(map(str, row.depth_steps)) or "-"
         print(f"{row.name:>8} | {row.wall_tok_s():>10.1f} | {row.wall_tok_s() / base.wall_tok_s():>5.2f}x | "
+              f"{paired_ratio(rows, row):>5.2f}x | "
               f"{row.decode_tok_s():>12.1f} | {row.decode_tok_s() / base.decode_tok_s():>5.2f}x | {acc:>8} | "
               f"{depths:<24} | {row.tokens == base.tokens}", flush=True)
 
