@@ -30,9 +30,12 @@ compared with, and an early slow plain step would otherwise make drafting look b
 and a step one draft shallower (from depth 1: deeper), so that the cost fits see two depths and
 can tell a fixed cost from a per-draft one. Plain steps skip the draft model entirely ("cold": the MTP cache then
 misses those positions, which only weakens later drafts) unless drafting's estimate reaches the plain
-rate (short of the 5 % margin), when the draft keeps its cache warm for a switch. A warm pass is not
-free (one MTP forward per step: 15 % of a batch-1 step of the demo model), so a policy that stayed
-warm further below the plain rate made decoding slower while drafting nothing (issue 31). Costs that were never measured make the
+rate (short of the 5 % margin), when the draft keeps its cache warm for a switch, for at most
+``WARM_IDLE_LIMIT`` steps in a row that draft nothing (then cold until the next probe). A warm pass
+is not free (one MTP forward per step: 15 % of a batch-1 step of the demo model), so a policy that
+stayed warm further below the plain rate, or whose estimate sat between the plain rate and the
+margin (drafting at break-even), made decoding slower while drafting nothing: the benchmark's
+batch-8 row once read 0.79x with no draft made (issue 31). Costs that were never measured make the
 policy try drafting for a step (exploration; at depths 1, 2, ... K in turn: probing at depth 1 only,
 the fits could not tell a draft's cost per depth, rated deeper drafts too dear, and at batch 8 the
 policy stayed cold where k = 2 and 3 were 14-18 % faster): first while it warms up, then again after
@@ -49,6 +52,7 @@ POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates foll
 WARM_MARGIN = 1.0            # stay warm only while drafting's estimate reaches the plain rate (a warm pass costs)
 DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
 RECHECK_INTERVAL = 16        # drafting steps between two re-measuring steps (plain, then a neighbour depth)
+WARM_IDLE_LIMIT = 8          # warm steps in a row that draft nothing before the policy goes cold
 MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
 
 
@@ -181,6 +185,7 @@ class AdaptivePolicy(FixedPolicy):
         self.requests: dict[str, _Acceptance] = {}
         self.warm = True                                # the last decision keeps the draft cache filled
         self.cold_steps = 0
+        self.warm_idle = 0                              # warm steps in a row that drafted nothing
         self.drafting_steps = 0                         # since the last re-measuring step
         self.rechecks = 0
         self.probes = 0                                 # exploring steps so far (their depth cycles 1..K)
@@ -256,7 +261,7 @@ class AdaptivePolicy(FixedPolicy):
         if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
             if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
                 self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)
-            self.warm, self.cold_steps = True, 0
+            self.warm, self.cold_steps, self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
             return [min(depth, c.max_depth) for c in candidates]
@@ -275,7 +280,11 @@ class AdaptivePolicy(FixedPolicy):
                 best_rate, best = rate, choice
         drafting_rate = best_rate if any(best) else self._rate([min(1, c.max_depth) for c in candidates], reach,
                                                                 num_seqs, plain_s)
-        self.warm = any(best) or drafting_rate >= WARM_MARGIN * plain_rate
+        if any(best) or not self.warm:
+            self.warm_idle = 0 if any(best) else self.warm_idle
+        else:
+            self.warm_idle += 1
+        self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps = 0 if self.warm else self.cold_steps + 1
         if any(best):                                        # drafting pays again: probe soon after it stops
             self.probe_interval = 64
