@@ -111,7 +111,9 @@ class Coordinator:
 
             speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
-        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        on_cpu = all(info["memory"]["device"] == "cpu" for info in self.group.rank_info)
+        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                  max_prefill_tokens=args.prefill_budget(on_cpu))
         self.core = make_engine(args.attention_groups, self.group, self.tokenizer, self.group.num_blocks,
                                 args.block_size, budgets, eos_ids, self.hf_config.vocab_size,
                                 args.enable_prefix_caching, speculator=speculator,
