@@ -242,7 +242,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if decode:
         return out[:, 0]
     if batch == 1:
-        return out[0]
+        return out[0].contiguous()   # NOTE: callers (the compiled forward's opaque op) take contiguous rows
     return out.reshape(batch * max_query_len, num_heads, head_dim).index_select(0, layout.padded_row)
 
 

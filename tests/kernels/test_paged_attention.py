@@ -116,6 +116,18 @@ def test_mixed_step_rows_equal_each_sequence_alone(dtype):
         start += qlen
 
 
+@pytest.mark.parametrize("query_lens", [[5], [5, 1], [5, 3]], ids=["one-prefill", "mixed", "two-prefills"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_output_is_contiguous(query_lens, dtype):
+    """The compiled forward's opaque attention op is declared to return contiguous ``[T, H, D]``
+    rows (its fake kernel); a strided view fails the compiled graph's stride assertion."""
+    seq_lens = [8] * len(query_lens)
+    query, k_cache, v_cache, block_tables, _, _ = build(16, seq_lens, query_lens, 6, 2, 16, dtype)
+    out = paged_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(seq_lens),
+                              query_start_loc_of(query_lens), 0.25, max(query_lens), max(seq_lens))
+    assert out.shape == query.shape and out.is_contiguous()
+
+
 @pytest.mark.parametrize("block_size,dtype", [pytest.param(bs, dt, id=case_id(1, 7, 2, 24, dt, f"bs{bs}"))
                                               for bs in (16, 64) for dt in DTYPES])
 def test_store_kv_kernel_matches_reference(block_size, dtype):
