@@ -43,6 +43,20 @@ from shardserve.workers.model_source import load_config, model_context_length, r
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
 GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
+# Async scheduling sends a step ahead only while steps are shorter than this (rank 0's compute, s).
+PIPELINE_MAX_STEP_S = 0.05
+
+
+def pipeline_depth(pipelined: bool, last_execute_s: float) -> int:
+    """Steps in flight at most: 2 with async scheduling while rank 0's last step computed for
+    less than :data:`PIPELINE_MAX_STEP_S` seconds, else 1.
+
+    NOTE: a step sent ahead was planned before the step in flight ended, so a request that arrives
+    meanwhile waits for both before its own step: one whole step more of TTFT. Sending ahead hides
+    the coordinator's round trip (~2 ms per CPU step); beyond 50 ms steps that is under 4 % of a
+    step, while the extra wait was a 250-600 ms step at 32 clients on a CPU rank (issue 30).
+    """
+    return 2 if pipelined and last_execute_s < PIPELINE_MAX_STEP_S else 1
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -128,6 +142,7 @@ class Coordinator:
         self.served = CheckpointManifest.from_config(self.files.path, self.hf_config, shapes)
         self.worker_status: list[dict] = []            # last answer of every worker process (ModelInfo)
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
+        self._last_execute_s = 0.0   # rank 0's compute in the last step (pipeline_depth)
         self._queues: dict[str, asyncio.Queue] = {}
         self._group_of: dict[str, str] = {}            # request id -> client request (router's group id)
         self._group_calls: collections.Counter = collections.Counter()   # group -> calls not finished
@@ -182,10 +197,12 @@ class Coordinator:
         scheduled and sent before the running one's result is read, so rank 0 starts it as soon as
         it is done instead of idling through the round trip (result back, update, schedule, plan
         out; about 2 ms per CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is
-        still being sampled gets a placeholder that rank 0 fills with its own sample."""
-        depth = 2 if self._pipelined else 1   # steps in flight at most
+        still being sampled gets a placeholder that rank 0 fills with its own sample. Only while
+        steps are short (:func:`pipeline_depth`): a request arriving during a long step would
+        otherwise wait for the step sent ahead too."""
         in_flight: collections.deque[list] = collections.deque()   # [batch, submitted, started]
         while True:
+            depth = pipeline_depth(self._pipelined, self._last_execute_s)   # steps in flight at most
             nothing_to_run = False
             if len(in_flight) < depth and self.healthy and not self._boundary_waiters and self._has_work():
                 batch = self.core.schedule()
@@ -239,6 +256,7 @@ class Coordinator:
         self.cache_events.flush()
 
     def _record_step(self, wall_s: float, result) -> None:
+        self._last_execute_s = result.execute_s
         stats = self.step_stats
         stats["steps"] += 1
         stats["step_s"] += wall_s                      # coordinator's round trip to all ranks
