@@ -306,6 +306,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.view(batch, num_heads, head_dim)
 
 
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` rounded to ``dtype``'s precision, kept in float32."""
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       scale: float, blocked: torch.Tensor | None = None) -> torch.Tensor:
     """Masked GQA attention as two batched matmuls, all in float32 (the bf16 / fp16 path: torch's
@@ -327,10 +332,11 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     group = num_heads // num_kv
     q = query.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
         batch, num_kv, group * num_q, head_dim).float()                             # [B, Hkv, G*Q, D]
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scale)            # [B, Hkv, G*Q, S]
+    # Rounded to the input dtype where a bf16 matmul would round (scores, probs): the same numbers.
+    scores = _round_to(torch.matmul(q, keys.float().transpose(-1, -2)), query.dtype).mul_(scale)   # [B, Hkv, G*Q, S]
     blocked = ~mask[:, :, None] if blocked is None else blocked
     scores = scores.view(batch, num_kv, group, num_q, -1).masked_fill_(blocked, float("-inf"))
-    probs = scores.softmax(dim=-1).view(batch, num_kv, group * num_q, -1)
+    probs = _round_to(scores.softmax(dim=-1), query.dtype).view(batch, num_kv, group * num_q, -1)
     out = torch.matmul(probs, values.float())                                       # [B, Hkv, G*Q, D]
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
         batch, num_q, num_heads, head_dim).to(query.dtype)
