@@ -53,6 +53,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per engine step at most, prefill chunks included (the replica's: 1/D per "
                              "attention group with --enable-dp-attention)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="prompt tokens (prefills and prefill chunks) per engine step at most, so a burst of "
+                             "requests starts streaming over several short steps (default: 128 on CPU ranks, "
+                             "--max-num-batched-tokens on GPUs)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of equal prefixes")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the sampling generators, an integer (default: 0 for the engine; generate: "
@@ -132,7 +136,7 @@ def _floats(text: str) -> list[float]:
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=ns.model, block_size=ns.block_size, kv_cache_gib=ns.kv_cache_gib,
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, max_prefill_tokens=ns.max_prefill_tokens,
                       enable_prefix_caching=not ns.no_prefix_caching, seed=ns.seed or 0,
                       tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
                       tensor_split=getattr(ns, "tensor_split", None), dsa=ns.dsa, dsa_top_k=ns.dsa_top_k,
@@ -324,7 +328,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
         grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
         block_size=ns.block_size,
         kv_cache_gib=ns.kv_cache_gib, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=not ns.no_prefix_caching,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_prefill_tokens=ns.max_prefill_tokens,
+        enable_prefix_caching=not ns.no_prefix_caching,
         seed=ns.seed or 0, dsa=ns.dsa, dsa_top_k=ns.dsa_top_k, indexer_cache_dtype=ns.indexer_cache_dtype,
         dsa_sink=ns.dsa_sink, speculative_tokens=ns.speculative_tokens, speculative_policy=ns.speculative_policy,
         device=ns.device, dtype=ns.dtype,

@@ -12,6 +12,10 @@ from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")   # cluster/engine/spec_policy.py
+# Default prompt-token budget of one step on CPU ranks (issue 30): a prompt token costs about as
+# much as a decoding sequence there (2-core machine, SmolLM2-135M Q4_1: ~2-4 ms each), so a burst
+# of 32 prompts admitted at once made one multi-second step that every one of them waited for.
+CPU_MAX_PREFILL_TOKENS = 128
 logger = logging.getLogger(__name__)
 
 
@@ -25,6 +29,9 @@ class EngineArgs:
         kv_cache_gib: KV cache budget per rank, GiB (ignored when ``num_blocks`` is set).
         num_blocks: exact KV blocks per rank.
         max_num_seqs / max_num_batched_tokens: per-step limits of the scheduler.
+        max_prefill_tokens: prompt tokens (prefills and prefill chunks) one step computes at most;
+            None: :data:`CPU_MAX_PREFILL_TOKENS` on CPU ranks, only ``max_num_batched_tokens`` on GPUs
+            (:meth:`prefill_budget`).
         max_model_len: context length cap (default: the model's).
         enable_prefix_caching: reuse KV blocks of equal prompt prefixes.
         seed: seed of the generator used by unseeded sampled requests.
@@ -73,6 +80,7 @@ class EngineArgs:
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -101,6 +109,8 @@ class EngineArgs:
         :func:`cluster.dp_attention_args.check_dp_attention_args`). Reads no model file."""
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.num_blocks is None and self.kv_cache_gib <= 0:
@@ -169,6 +179,14 @@ class EngineArgs:
         :func:`cluster.dp_attention_args.check_dp_attention_args` refuses a budget below one per group."""
         groups = self.attention_groups
         return self.max_num_seqs // groups, self.max_num_batched_tokens // groups
+
+    def prefill_budget(self, on_cpu: bool) -> int | None:
+        """Prompt tokens one step computes at most (``SchedulerConfig.max_prefill_tokens``): the
+        setting, else :data:`CPU_MAX_PREFILL_TOKENS` when the ranks compute on CPU, else None (only
+        the step budget bounds them)."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return CPU_MAX_PREFILL_TOKENS if on_cpu else None
 
     def draft_buffer_sizes(self):
         """What the buffers rank 0 shares with the MTP draft worker must hold

@@ -82,7 +82,8 @@ class LLM:
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.core = EngineCore(
             self.runner, self.tokenizer, self.runner.num_blocks, args.block_size,
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                            max_prefill_tokens=args.prefill_budget(self.runner.device.type == "cpu")),
             eos_ids, self.hf_config.vocab_size, args.enable_prefix_caching, speculator=speculator,
             num_state_slots=self.runner.num_state_slots,
             grammar_compiler=GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, eos_ids))

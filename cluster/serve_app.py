@@ -175,6 +175,7 @@ class ServeArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     dsa: bool | None = None
@@ -318,7 +319,8 @@ class ServeArgs:
     def engine_args(self) -> EngineArgs:
         return EngineArgs(model=self.model, block_size=self.block_size, kv_cache_gib=self.kv_cache_gib,
                           num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
-                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          max_prefill_tokens=self.max_prefill_tokens, max_model_len=self.max_model_len,
                           enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                           tensor_parallel_size=self.tensor_parallel_size, tensor_split=self.tensor_split,
                           dsa=self.dsa, dsa_top_k=self.dsa_top_k, indexer_cache_dtype=self.indexer_cache_dtype,

@@ -93,6 +93,7 @@ class PaddedLayout:
 
     seq_of_token: torch.Tensor   # [T] int64, sequence of each packed query token
     row_of_token: torch.Tensor   # [T] int64, its row in the padded query batch
+    padded_row: torch.Tensor     # [T] int64, its row in the padded batch viewed as [B * Q, ...]
     slots: torch.Tensor          # [B, S] int64, cache slot of every context position (0 where invalid)
     mask: torch.Tensor           # [B, 1, Q, S] bool, causal and length mask
     blocked: torch.Tensor        # [B, 1, 1, Q, S] bool, ~mask (what grouped_attention fills with -inf)
@@ -112,7 +113,66 @@ def padded_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_star
     k_pos = torch.arange(max_seq_len, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]   # [B, Q, S]
     mask[:, :, 0] |= ~mask.any(-1)  # padded rows see one key instead of none (no NaN); dropped later
-    return PaddedLayout(seq_of_token, row_of_token, slots, mask[:, None], (~mask)[:, None, None])
+    return PaddedLayout(seq_of_token, row_of_token, seq_of_token * max_query_len + row_of_token, slots,
+                        mask[:, None], (~mask)[:, None, None])
+
+
+@dataclass(slots=True)
+class SubBatch:
+    """The sequences of one kind in a mixed step (see :class:`MixedSplit`)."""
+
+    token_idx: torch.Tensor        # [T_part] int64, packed query rows of its sequences, in order
+    seq_idx: torch.Tensor          # [B_part] int64, its sequences in the step's batch
+    seq_lens: torch.Tensor         # [B_part], tokens in context after this step
+    query_start_loc: torch.Tensor  # [B_part + 1], cumulative query counts within the part
+    max_query_len: int             # host-side maxima of the part
+    max_seq_len: int
+    step_cache: dict               # the part's own per-step cache (layouts of the part's shape)
+
+
+@dataclass(slots=True)
+class MixedSplit:
+    """A step that holds decodes (one query token) and prefills or prefill chunks (several).
+
+    NOTE: padding every sequence's queries to the step's longest query (:class:`PaddedLayout`)
+    would have each decode attend ``max_query_len`` rows (33x the decode's work for one 33-token
+    prompt in a batch of decodes, measured ~6x the time per decode on 2 CPU cores); split, the
+    decodes take the decode path and only the prefills are padded, to the longest prefill.
+    """
+
+    parts: tuple[SubBatch, SubBatch]   # (decodes, prefills)
+
+
+def mixed_split(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
+                step_cache: dict | None = None) -> MixedSplit | None:
+    """The decode / prefill split of one step, or None unless it has both (kept in ``step_cache``).
+    Reads the lengths on the host: for CPU tensors only (CUDA runs the Triton kernel, varlen).
+
+    Args:
+        query_start_loc: ``[B + 1]`` cumulative query counts. seq_lens: ``[B]``.
+        max_query_len: host-side maximum query count (1: a decode step, never split).
+    """
+    if max_query_len == 1:
+        return None
+    if step_cache is not None and "mixed_split" in step_cache:
+        return step_cache["mixed_split"]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                      # [B]
+    is_decode = q_lens == 1
+    num_decodes = int(is_decode.sum())
+    split = None
+    if 0 < num_decodes < q_lens.shape[0]:
+        parts = []
+        for seq_idx in (is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]):
+            starts, lens = query_start_loc[seq_idx].long(), q_lens[seq_idx].long()
+            token_idx = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens) + torch.arange(
+                int(lens.sum()), device=lens.device)
+            part_lens = seq_lens[seq_idx]
+            parts.append(SubBatch(token_idx, seq_idx, part_lens, torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(
+                query_start_loc.dtype), int(lens.max()), int(part_lens.max()), {}))
+        split = MixedSplit(tuple(parts))
+    if step_cache is not None:
+        step_cache["mixed_split"] = split
+    return split
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,6 +197,14 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     num_tokens, num_heads, head_dim = query.shape
+    split = mixed_split(query_start_loc, seq_lens, max_query_len, step_cache) if query.device.type == "cpu" else None
+    if split is not None:   # decodes and prefills in one step: each part on its own path
+        out = torch.empty_like(query)
+        for part in split.parts:
+            out[part.token_idx] = paged_attention_ref(
+                query[part.token_idx], k_cache, v_cache, block_tables[part.seq_idx], part.seq_lens,
+                part.query_start_loc, scale, part.max_query_len, part.max_seq_len, part.step_cache)
+        return out
     decode = max_query_len == 1 and num_tokens == seq_lens.shape[0]   # one query per sequence, in order
     if decode and query.dtype != torch.float32:
         return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, step_cache)
@@ -146,34 +214,47 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                max_seq_len, num_tokens)
         if step_cache is not None:
             step_cache["padded_layout"] = layout
+    batch = seq_lens.shape[0]
+    # NOTE: 1-D index_copy_ / index_select, not 2-D advanced indexing (index_put / index): the
+    # latter took ~40% of a 32-token prefill step on 2 CPU cores, these a few percent.
     if decode:
         q_pad = query[:, None]
+    elif batch == 1:   # one prefill: its queries are the padded batch
+        q_pad = query[None]
     else:
-        q_pad = query.new_zeros(seq_lens.shape[0], max_query_len, num_heads, head_dim)
-        q_pad[layout.seq_of_token, layout.row_of_token] = query
+        q_pad = query.new_zeros(batch * max_query_len, num_heads, head_dim).index_copy_(
+            0, layout.padded_row, query).view(batch, max_query_len, num_heads, head_dim)
+    width = layout.slots.shape[1]
     if query.dtype == torch.float32:
-        keys = k_cache.view(-1, *k_cache.shape[2:])[layout.slots]                   # [B, S, Hkv, D]
-        values = v_cache.view(-1, *v_cache.shape[2:])[layout.slots]
+        num_kv = k_cache.shape[2]
+        flat = layout.slots.view(-1)
+        keys = k_cache.view(-1, num_kv, head_dim).index_select(0, flat).view(batch, width, num_kv, head_dim)
+        values = v_cache.view(-1, num_kv, head_dim).index_select(0, flat).view(batch, width, num_kv, head_dim)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), _cast(keys, query.dtype).transpose(1, 2), _cast(values, query.dtype).transpose(1, 2),
             attn_mask=layout.mask, scale=scale, enable_gqa=num_heads != k_cache.shape[2]).transpose(1, 2)
     else:
-        rows = _head_rows(layout, k_cache.shape[2], step_cache)                   # [B, Hkv, S]
-        keys = _cast(k_cache.view(-1, k_cache.shape[-1])[rows], query.dtype)         # [B, Hkv, S, D]
-        values = _cast(v_cache.view(-1, v_cache.shape[-1])[rows], query.dtype)
+        rows = _head_rows(layout, k_cache.shape[2], step_cache)                   # [B * Hkv * S]
+        shape = (batch, k_cache.shape[2], width, head_dim)
+        keys = _cast(k_cache.view(-1, head_dim).index_select(0, rows).view(shape), query.dtype)   # [B, Hkv, S, D]
+        values = _cast(v_cache.view(-1, head_dim).index_select(0, rows).view(shape), query.dtype)
         out = grouped_attention(q_pad, keys, values, layout.mask, scale, layout.blocked)
-    return out[:, 0] if decode else out[layout.seq_of_token, layout.row_of_token]
+    if decode:
+        return out[:, 0]
+    if batch == 1:
+        return out[0].contiguous()   # NOTE: callers (the compiled forward's opaque op) take contiguous rows
+    return out.reshape(batch * max_query_len, num_heads, head_dim).index_select(0, layout.padded_row)
 
 
 def _head_rows(layout: PaddedLayout, num_kv_heads: int, step_cache: dict | None) -> torch.Tensor:
-    """``[B, Hkv, S]`` rows of a cache viewed as ``[slots * Hkv, D]``: gathering them yields each KV
-    head's keys contiguous (``[B, Hkv, S, D]``), the layout both matmuls of :func:`grouped_attention`
-    read in place. Built once per step (kept in ``step_cache``)."""
+    """``[B * Hkv * S]`` rows of a cache viewed as ``[slots * Hkv, D]``: gathering them yields each
+    KV head's keys contiguous (``[B, Hkv, S, D]``), the layout both matmuls of
+    :func:`grouped_attention` read in place. Built once per step (kept in ``step_cache``)."""
     key = ("head_rows", num_kv_heads)
     rows = None if step_cache is None else step_cache.get(key)
     if rows is None:
         heads = torch.arange(num_kv_heads, device=layout.slots.device)
-        rows = layout.slots[:, None, :] * num_kv_heads + heads[None, :, None]
+        rows = (layout.slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         if step_cache is not None:
             step_cache[key] = rows
     return rows
@@ -225,10 +306,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.view(batch, num_heads, head_dim)
 
 
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` rounded to ``dtype``'s precision, kept in float32."""
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       scale: float, blocked: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked GQA attention as two batched matmuls, softmax in float32 (the bf16 / fp16 path:
-    torch's CPU flash-attention kernel takes 3 ms where this takes 0.2 ms for 32 decode rows).
+    """Masked GQA attention as two batched matmuls, all in float32 (the bf16 / fp16 path: torch's
+    CPU flash-attention kernel takes 3 ms where this takes 0.2 ms for 32 decode rows).
+
+    NOTE: float32 on purpose: on a CPU without native bf16 (AVX2) a bf16 ``matmul`` of one prefill's
+    scores took 6x, of four 12x, the time of upcasting its inputs and multiplying in float32.
 
     Args:
         query: ``[B, Q, H, D]``; query head ``h`` reads key head ``h // (H / Hkv)`` (HF ``repeat_kv``).
@@ -242,14 +331,15 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     num_kv = keys.shape[1]
     group = num_heads // num_kv
     q = query.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
-        batch, num_kv, group * num_q, head_dim)                                     # [B, Hkv, G*Q, D]
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale                # [B, Hkv, G*Q, S]
+        batch, num_kv, group * num_q, head_dim).float()                             # [B, Hkv, G*Q, D]
+    # Rounded to the input dtype where a bf16 matmul would round (scores, probs): the same numbers.
+    scores = _round_to(torch.matmul(q, keys.float().transpose(-1, -2)), query.dtype).mul_(scale)   # [B, Hkv, G*Q, S]
     blocked = ~mask[:, :, None] if blocked is None else blocked
     scores = scores.view(batch, num_kv, group, num_q, -1).masked_fill_(blocked, float("-inf"))
-    probs = scores.softmax(dim=-1).to(query.dtype).view(batch, num_kv, group * num_q, -1)
-    out = torch.matmul(probs, values)                                               # [B, Hkv, G*Q, D]
+    probs = _round_to(scores.softmax(dim=-1), query.dtype).view(batch, num_kv, group * num_q, -1)
+    out = torch.matmul(probs, values.float())                                       # [B, Hkv, G*Q, D]
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
-        batch, num_q, num_heads, head_dim)
+        batch, num_q, num_heads, head_dim).to(query.dtype)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -217,8 +217,8 @@ def _gqa(attn, shape: StepShape, hidden: int, d: int, triton: bool, gated: bool)
         else:
             total += _n(b, s) * (8 * 3 + 2) + _n(b, q, s) * 4 + _n(b, kv, s) * 8         # layout (step-cached)
             total += _n(b, q, heads, dim) * d * 3 + _n(b, kv, s, dim) * d * 2             # q pad, K, V, output
-            if d != 4:   # grouped_attention: scores in d, upcast and scaled in float32, softmax, probs in d
-                total += _n(b, heads, q, s) * (d + 8)
+            if d != 4:   # grouped_attention, in float32: q, K, V and output copies, scores, probs
+                total += _n(b, q, heads, dim) * 8 + _n(b, kv, s, dim) * 8 + _n(b, heads, q, s) * 8
     return total + _n(t, hidden) * d * 2
 
 

@@ -2,7 +2,8 @@
 
 Each step fills a token budget: running requests first (a decode costs one token, an unfinished
 prefill continues as a chunk), then waiting requests in arrival order (a prefix-cache hit counts
-as already computed). When the pool runs out of blocks the newest running request is preempted
+as already computed). Prompt tokens may have a smaller budget of their own
+(``max_prefill_tokens``): a burst of new requests then starts over several short steps. When the pool runs out of blocks the newest running request is preempted
 (its blocks freed, recomputed later). The output is a :class:`workers.messages.StepPlan`: new
 requests in full once, then per-step diffs (tokens to compute, blocks added).
 
@@ -31,6 +32,10 @@ class SchedulerConfig:
     # > 0 with MTP speculation: a prefix-cache hit gives back its last block, so the MTP cache entry
     # of the last hit position (which depends on the token after it) is recomputed by this request.
     num_speculative_tokens: int = 0
+    # Prompt tokens (prefills and prefill chunks, not decodes) one step computes at most; None: only
+    # the step budget. A burst of prompts is then admitted over several steps, so the first ones
+    # stream while the rest prefill, instead of all waiting for one long step (issue 30).
+    max_prefill_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +122,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work and build its plan; advances ``num_computed_tokens``."""
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self.config.max_prefill_tokens or budget
         chosen: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         i = 0
@@ -128,6 +134,12 @@ class Scheduler:
             # Draft tokens are computed like any other (verified in the same forward); so is a token
             # still being sampled by the step in flight (a placeholder).
             num_new = min(request.num_known_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            prefilling = not request.spec_token_ids and num_new > 1   # a prefill chunk, not a decode
+            if prefilling:
+                if prefill_budget <= 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill_budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,10 +149,12 @@ class Scheduler:
             else:
                 chosen.append((request, num_new))
                 budget -= num_new
+                prefill_budget -= num_new if prefilling else 0
                 i += 1
                 continue
             break
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (not preempted and self.waiting and min(budget, prefill_budget) > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if not self.admit_new and not request.num_output_tokens:
                 break
@@ -149,7 +163,7 @@ class Scheduler:
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             if self.config.num_speculative_tokens and hits:
                 hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_manager.block_size
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if self.state_slots is not None and not self.state_slots.num_free:
                 break
             if not self.block_manager.allocate_slots(request, num_new, hits):
@@ -162,6 +176,7 @@ class Scheduler:
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return self._build_plan(chosen, preempted)
 
     def _build_plan(self, chosen: list[tuple[Request, int]], preempted: list[Request]) -> ScheduledBatch:

@@ -43,6 +43,12 @@ from shardserve.workers.model_source import load_config, model_context_length, r
 logger = logging.getLogger(__name__)
 LIVENESS_PERIOD_S = 2.0   # when idle, check the workers this often (a death is found before a request fails)
 GRAMMAR_COMPILE_TIMEOUT_S = 60.0   # a structured-output constraint compiling longer is refused
+# Async scheduling sends a step ahead only while steps are shorter than this (rank 0's compute, s):
+# a step sent ahead was planned before the one in flight ended, so a request arriving meanwhile waits
+# for both, one whole step more of TTFT. Sending ahead hides the coordinator's round trip (~2 ms per
+# CPU step), under 4 % of a step beyond 50 ms, while the extra wait was a 250-600 ms step at 32
+# clients on a CPU rank (issue 30).
+PIPELINE_MAX_STEP_S = 0.05
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -111,7 +117,9 @@ class Coordinator:
 
             speculator = Speculator(self.drafter, args.speculative_tokens, args.speculative_policy)
         eos_ids = eos_token_ids(self.tokenizer, self.hf_config)
-        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        on_cpu = all(info["memory"]["device"] == "cpu" for info in self.group.rank_info)
+        budgets = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                  max_prefill_tokens=args.prefill_budget(on_cpu))
         self.core = make_engine(args.attention_groups, self.group, self.tokenizer, self.group.num_blocks,
                                 args.block_size, budgets, eos_ids, self.hf_config.vocab_size,
                                 args.enable_prefix_caching, speculator=speculator,
@@ -127,6 +135,7 @@ class Coordinator:
         self.worker_status: list[dict] = []            # last answer of every worker process (ModelInfo)
         self.step_stats = {"steps": 0, "step_s": 0.0, "execute_s": 0.0, "collective_s": 0.0}
         self.steps_sent_ahead = 0                      # steps sent before the previous one was read
+        self._last_execute_s = 0.0   # rank 0's compute in the last step (PIPELINE_MAX_STEP_S)
         self._queues: dict[str, asyncio.Queue] = {}
         self._group_of: dict[str, str] = {}            # request id -> client request (router's group id)
         self._group_calls: collections.Counter = collections.Counter()   # group -> calls not finished
@@ -178,8 +187,9 @@ class Coordinator:
         after a step that verifies drafts (how many it accepts decides the next positions) or keeps
         its hidden states for a draft pass (the next step verifies what that pass drafts): an
         adaptive policy that has gone cold decodes with async scheduling like no speculation at all,
-        instead of paying the round trip on every step for drafts it does not make (issue 31)."""
-        if not self._pipelined:
+        instead of paying the round trip on every step for drafts it does not make (issue 31). And
+        only while rank 0's last step computed for less than :data:`PIPELINE_MAX_STEP_S`."""
+        if not self._pipelined or self._last_execute_s >= PIPELINE_MAX_STEP_S:
             return False
         if self.core.speculator is None or not in_flight:
             return True
@@ -195,7 +205,9 @@ class Coordinator:
         scheduled and sent before the running one's result is read, so rank 0 starts it as soon as
         it is done instead of idling through the round trip (result back, update, schedule, plan
         out; about 2 ms per CPU decode step, ``benchmarks/bench_tp.py``). A decode whose token is
-        still being sampled gets a placeholder that rank 0 fills with its own sample."""
+        still being sampled gets a placeholder that rank 0 fills with its own sample. Only while
+        steps are short (:meth:`_may_send_ahead`): a request arriving during a long step would
+        otherwise wait for the step sent ahead too."""
         in_flight: collections.deque[list] = collections.deque()   # [batch, submitted, started]
         while True:
             nothing_to_run = False
@@ -254,6 +266,7 @@ class Coordinator:
         self.cache_events.flush()
 
     def _record_step(self, wall_s: float, result) -> None:
+        self._last_execute_s = result.execute_s
         stats = self.step_stats
         stats["steps"] += 1
         stats["step_s"] += wall_s                      # coordinator's round trip to all ranks

@@ -148,3 +148,42 @@ def test_preempted_request_waits_for_its_tokens_in_flight():
     again = s.schedule()
     assert [x.req_id for x in again.plan.scheduled] == ["b"]
     assert again.plan.scheduled[0].token_ids == [100, 101, 102, 9, 10] and again.plan.scheduled[0].start_pos == 0
+
+
+def test_prefill_budget_spreads_a_burst_and_spares_decodes():
+    """``max_prefill_tokens``: a burst of prompts starts over several steps (the first ones sample
+    after one short step), running decodes are never held back by it, and a prompt longer than
+    the budget continues as chunks within it."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens=6), bm)
+    burst = [Request(f"r{i}", list(range(10 * i, 10 * i + 3)), SamplingParams()) for i in range(4)]
+    for req in burst:
+        s.add(req)
+    b1 = s.schedule()
+    assert [(x.req_id, len(x.token_ids), x.sample) for x in b1.plan.scheduled] == [("r0", 3, True), ("r1", 3, True)]
+    assert [r.request_id for r in s.waiting] == ["r2", "r3"]
+    finish_step(b1)
+    b2 = s.schedule()   # two decodes, not counted against the prompt budget, then the next two prompts
+    assert [(x.req_id, len(x.token_ids)) for x in b2.plan.scheduled] == [("r0", 1), ("r1", 1), ("r2", 3), ("r3", 3)]
+    finish_step(b2)
+    long = Request("long", list(range(100, 109)), SamplingParams())
+    s.add(long)
+    b3 = s.schedule()
+    assert [(x.req_id, len(x.token_ids)) for x in b3.plan.scheduled][-1] == ("long", 6)
+    assert not b3.plan.scheduled[-1].sample
+    finish_step(b3)
+    b4 = s.schedule()   # its last 3 prompt tokens as a chunk within the budget, and it samples
+    assert [(x.req_id, len(x.token_ids), x.sample) for x in b4.plan.scheduled][-1] == ("long", 3, True)
+    assert len(b4.plan.scheduled) == 5
+
+
+def test_prefill_budget_default_only_on_cpu():
+    from shardserve.cluster.config import CPU_MAX_PREFILL_TOKENS, EngineArgs
+
+    assert EngineArgs().prefill_budget(on_cpu=True) == CPU_MAX_PREFILL_TOKENS
+    assert EngineArgs().prefill_budget(on_cpu=False) is None
+    assert EngineArgs(max_prefill_tokens=512).prefill_budget(on_cpu=True) == 512
+    import pytest
+
+    with pytest.raises(ValueError, match="max-prefill-tokens"):
+        EngineArgs(max_prefill_tokens=0).validate()

@@ -76,7 +76,8 @@ def test_paged_attention_kernel_matches_reference(block_size, seq_lens, query_le
 
 
 REF_CASES = [(16, [1], [1], 1, "single"), (16, [16, 17, 9], [2, 1, 9], 2, "boundary-varlen"),
-             (64, [65, 64], [1, 3], 1, "boundary"), (16, [5, 40, 17], [1, 1, 1], 3, "decode-batch")]
+             (64, [65, 64], [1, 3], 1, "boundary"), (16, [5, 40, 17], [1, 1, 1], 3, "decode-batch"),
+             (16, [9, 33, 40, 17, 5], [1, 33, 1, 4, 1], 2, "mixed-decodes-prefills")]
 
 
 @pytest.mark.parametrize("block_size,seq_lens,query_lens,num_kv_heads,dtype", [
@@ -92,6 +93,39 @@ def test_paged_attention_reference_matches_dense(block_size, seq_lens, query_len
     naive = dense_attention(query, keys, values, seq_lens, query_lens, 0.25)
     assert out.dtype == dtype
     assert_close(out.double(), naive, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_rows_equal_each_sequence_alone(dtype):
+    """A step of decodes and prefills is split (:func:`mixed_split`): every sequence's rows equal
+    attention over that sequence alone, and a decode never goes through the padded prefill layout."""
+    seq_lens, query_lens = [9, 33, 40, 17, 5], [1, 33, 1, 4, 1]
+    query, k_cache, v_cache, block_tables, _, _ = build(16, seq_lens, query_lens, 4, 2, 16, dtype)
+    step_cache: dict = {}
+    out = paged_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(seq_lens),
+                              query_start_loc_of(query_lens), 0.25, max(query_lens), max(seq_lens), step_cache)
+    decodes, prefills = step_cache["mixed_split"].parts
+    assert decodes.seq_idx.tolist() == [0, 2, 4] and decodes.token_idx.tolist() == [0, 34, 39]
+    assert prefills.seq_idx.tolist() == [1, 3] and prefills.max_query_len == 33 and prefills.max_seq_len == 33
+    assert "padded_layout" not in decodes.step_cache or dtype == torch.float32
+    start = 0
+    for b, (length, qlen) in enumerate(zip(seq_lens, query_lens)):
+        alone = paged_attention_ref(query[start:start + qlen], k_cache, v_cache, block_tables[b:b + 1],
+                                    torch.tensor([length]), query_start_loc_of([qlen]), 0.25, qlen, length)
+        assert_close(out[start:start + qlen], alone, dtype)
+        start += qlen
+
+
+@pytest.mark.parametrize("query_lens", [[5], [5, 1], [5, 3]], ids=["one-prefill", "mixed", "two-prefills"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_output_is_contiguous(query_lens, dtype):
+    """The compiled forward's opaque attention op is declared to return contiguous ``[T, H, D]``
+    rows (its fake kernel); a strided view fails the compiled graph's stride assertion."""
+    seq_lens = [8] * len(query_lens)
+    query, k_cache, v_cache, block_tables, _, _ = build(16, seq_lens, query_lens, 6, 2, 16, dtype)
+    out = paged_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(seq_lens),
+                              query_start_loc_of(query_lens), 0.25, max(query_lens), max(seq_lens))
+    assert out.shape == query.shape and out.is_contiguous()
 
 
 @pytest.mark.parametrize("block_size,dtype", [pytest.param(bs, dt, id=case_id(1, 7, 2, 24, dt, f"bs{bs}"))
