@@ -375,7 +375,7 @@ def print_ratios(results: list[RunResult], concurrencies: list[int]) -> None:
     print("\nratios (output tok/s, same run):")
     for concurrency in concurrencies:
         llama = rate.get(("llama-server", concurrency))
-        ours = {name: rate.get((name, concurrency)) for name in ("shardserve TP=1", "shardserve TP=2")}
+        ours = {name: value for (name, c), value in rate.items() if c == concurrency and name.startswith("shardserve")}
         parts = [f"{name} / llama-server = {value / llama:.2f}x" for name, value in ours.items() if value and llama]
         best = max((v for v in ours.values() if v), default=None)
         goal = GOALS.get(concurrency)
@@ -385,7 +385,7 @@ def print_ratios(results: list[RunResult], concurrencies: list[int]) -> None:
     ttft = {(r.server, r.concurrency): percentile(r.ttft_s, 50) for r in results}
     top = max(concurrencies)
     llama_ttft = ttft.get(("llama-server", top))
-    ours_ttft = [ttft[(name, top)] for name in ("shardserve TP=1", "shardserve TP=2") if (name, top) in ttft]
+    ours_ttft = [value for (name, c), value in ttft.items() if c == top and name.startswith("shardserve")]
     if llama_ttft and ours_ttft:
         print(f"  TTFT p50 at {top} clients: best shardserve {min(ours_ttft) * 1e3:.0f} ms vs llama-server "
               f"{llama_ttft * 1e3:.0f} ms (goal: no worse)")
@@ -445,7 +445,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama",
-                        help="subset of tp1,tp2,llama,dp2-least,dp2-prefix (dp2-*: TP=1 x 2 replicas, --routing "
+                        help="subset of tp1,tp1-1t,tp2,llama,dp2-least,dp2-prefix (tp1-1t: TP=1 on one torch thread, "
+                             "--cpus-per-worker 1, leaving the other cores to the serving processes; "
+                             "dp2-*: TP=1 x 2 replicas, --routing "
                              "least-loaded / prefix-aware)")
     parser.add_argument("--workload", choices=["distinct", "shared-prefix"], default="distinct",
                         help="distinct prompts, or --num-prefixes system prompts x --questions questions")
@@ -483,11 +485,13 @@ def main() -> None:
           f"(numbers from a shared machine are noisy)\n{HEADER}", flush=True)
     results: list[RunResult] = []
     dispatch = dict(zip((1, 2), args.dispatch.split(",")))
-    for tp in (1, 2):
-        if f"tp{tp}" in servers:
-            extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *args.shardserve_args.split()]
-            measure_server(shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_tp{tp}.log", extra,
-                                             args.kv_cache_gib, args.api_key), concurrencies, args, results)
+    for tp, name, threads in ((1, "tp1", []), (1, "tp1-1t", ["--cpus-per-worker", "1"]), (2, "tp2", [])):
+        if name in servers:
+            extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *threads, *args.shardserve_args.split()]
+            server = shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_{name}.log", extra,
+                                       args.kv_cache_gib, args.api_key)
+            server.name += ", 1 torch thread" if threads else ""
+            measure_server(server, concurrencies, args, results)
     for routing in ("least", "prefix"):
         if f"dp2-{routing}" in servers:
             extra = ["-dp", "2", "--routing", {"least": "least-loaded", "prefix": "prefix-aware"}[routing],
