@@ -71,8 +71,8 @@ def test_32k_prompt_prefill_memory_is_linear_in_the_context(tmp_path):
     # One layer and a one-head, 16-dim indexer: the indexer's O(context^2) scoring stays cheap on CPU.
     hf = write_tiny_checkpoint("deepseek_v32", path, seed=0, num_hidden_layers=1, max_position_embeddings=65536,
                                index_n_heads=1, index_head_dim=16, qk_rope_head_dim=8, tokenizer=True)
-    llm = LLM(EngineArgs(model=str(path), block_size=16, num_blocks=32768 // 16 + 8, max_num_batched_tokens=2048),
-              progress=False)
+    llm = LLM(EngineArgs(model=str(path), block_size=16, num_blocks=32768 // 16 + 8, max_num_batched_tokens=2048,
+                         max_prefill_tokens=2048), progress=False)   # not CPU ranks' default 128 per step
     assert llm.runner.model.model.layers[0].self_attn.rotary.cos.shape[0] == 65536
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     peaks = {}

@@ -78,7 +78,11 @@ def test_adaptive_sampling_matches_the_target_distribution(mtp_checkpoint):
     token (first verified draft position) fits the exact law; the third matches plain sampling."""
     path = mtp_checkpoint("deepseek_v32").path
     prompt, num = prompts((6,), seed=3)[0], 1200
-    llm = make_llm(path, 2, "adaptive", max_num_seqs=64, num_blocks=320, max_num_batched_tokens=256)
+    # Prompts admitted up to the step budget (not CPU ranks' default 128 prompt tokens per step): 3-token
+    # requests under that bound put a prefill in almost every step, and the policy fits its costs on
+    # decode-only steps.
+    llm = make_llm(path, 2, "adaptive", max_num_seqs=64, num_blocks=320, max_num_batched_tokens=256,
+                   max_prefill_tokens=256)
     policy = llm.core.speculator.policy
     observe = policy.observe_draft
     policy.observe_draft = lambda depth, rows, entries, seconds: observe(depth, rows, entries, seconds * 0.05)
