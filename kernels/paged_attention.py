@@ -91,9 +91,7 @@ class PaddedLayout:
     (``step_cache`` of :func:`paged_attention_ref`).
     """
 
-    seq_of_token: torch.Tensor   # [T] int64, sequence of each packed query token
-    row_of_token: torch.Tensor   # [T] int64, its row in the padded query batch
-    padded_row: torch.Tensor     # [T] int64, its row in the padded batch viewed as [B * Q, ...]
+    padded_row: torch.Tensor     # [T] int64, row of each packed query token in the padded [B * Q] batch
     slots: torch.Tensor          # [B, S] int64, cache slot of every context position (0 where invalid)
     mask: torch.Tensor           # [B, 1, Q, S] bool, causal and length mask
     blocked: torch.Tensor        # [B, 1, 1, Q, S] bool, ~mask (what grouped_attention fills with -inf)
@@ -113,8 +111,7 @@ def padded_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_star
     k_pos = torch.arange(max_seq_len, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]   # [B, Q, S]
     mask[:, :, 0] |= ~mask.any(-1)  # padded rows see one key instead of none (no NaN); dropped later
-    return PaddedLayout(seq_of_token, row_of_token, seq_of_token * max_query_len + row_of_token, slots,
-                        mask[:, None], (~mask)[:, None, None])
+    return PaddedLayout(seq_of_token * max_query_len + row_of_token, slots, mask[:, None], (~mask)[:, None, None])
 
 
 @dataclass(slots=True)

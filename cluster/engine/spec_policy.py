@@ -280,9 +280,9 @@ class AdaptivePolicy(FixedPolicy):
                 best_rate, best = rate, choice
         drafting_rate = best_rate if any(best) else self._rate([min(1, c.max_depth) for c in candidates], reach,
                                                                 num_seqs, plain_s)
-        if any(best) or not self.warm:
-            self.warm_idle = 0 if any(best) else self.warm_idle
-        else:
+        if any(best):
+            self.warm_idle = 0
+        elif self.warm:
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps = 0 if self.warm else self.cold_steps + 1
