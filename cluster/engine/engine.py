@@ -169,7 +169,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if self.speculator is not None and batch.plan.scheduled:
             # the MTP needs h_t of every computed position, unless its policy skips the next pass
-            batch.plan.return_hidden = self.speculator.wants_hidden(batch)
+            batch_after = min(self.scheduler.num_unfinished, self.scheduler.config.max_num_seqs)
+            batch.plan.return_hidden = self.speculator.wants_hidden(batch, batch_after)
         for request, sched in zip(batch.requests, batch.plan.scheduled):
             if sched.sample and request.grammar is not None:
                 drafts = sched.token_ids[len(sched.token_ids) - sched.num_spec_tokens:]

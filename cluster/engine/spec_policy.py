@@ -16,8 +16,9 @@ follows recent traffic, is the prior of a request with few observations:
 position-dependent rates).
 
 Cost (seconds, fitted online by least squares with exponential forgetting):
-- a plain step of ``B`` decoding requests: ``T(B) = a + b * B``;
-- a verify step: ``T(B) + J + v * (extra rows)``, its extra over a plain step of the same batch
+- a plain step of ``B`` decoding requests beside ``P`` prompt tokens (prefill chunks of other
+  requests): ``T(B, P) = a + b * B + p * P``; the decisions compare decode steps, ``T(B) = T(B, 0)``;
+- a verify step: ``T(B, P) + J + v * (extra rows)``, its extra over a plain step of the same shape
   (``J``: fixed cost, e.g. no decode graph; ``v``: per verified draft token);
 - a draft pass: ``D0 + D1 * depth + D2 * (rows of the chained steps) + D3 * (cache entries)``.
 
@@ -39,7 +40,16 @@ batch-8 row once read 0.79x with no draft made (issue 31). Costs that were never
 policy try drafting for a step (exploration; at depths 1, 2, ... K in turn: probing at depth 1 only,
 the fits could not tell a draft's cost per depth, rated deeper drafts too dear, and at batch 8 the
 policy stayed cold where k = 2 and 3 were 14-18 % faster): first while it warms up, then again after
-64, 128, ... 1024 cold steps, or when the batch size moves to one it has not measured.
+64, 128, ... 1024 cold steps, or when the batch size moves to one it has not measured. A step
+that carries prompt tokens runs them through the draft model only where drafting would pay at the
+batch those requests join, that pass included (:meth:`AdaptivePolicy.wants_hidden`).
+
+What the fits estimate is checked against what drafting realized: per batch-size bucket, the
+tokens per second of plain decode steps and of the decode steps where the fits chose to draft, per
+depth (the draft pass after each included), each over its last ~50 steps. A depth whose realized
+rate falls 3 % below the plain one is vetoed whatever the estimate says (the fits miss a cost, or
+short-lived requests keep the acceptance optimistic) until the next probe retries it: the fits
+rated depth 1 too well at batch 8 and 32 of the demo model, where k = 1 reads 0.8-0.9x of k = 0.
 """
 
 from __future__ import annotations
@@ -52,8 +62,12 @@ POOL_DECAY = 0.998           # per observed sequence-step: the pooled rates foll
 WARM_MARGIN = 1.0            # stay warm only while drafting's estimate reaches the plain rate (a warm pass costs)
 DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
 RECHECK_INTERVAL = 16        # drafting steps between two re-measuring steps (plain, then a neighbour depth)
-WARM_IDLE_LIMIT = 8          # warm steps in a row that draft nothing before the policy goes cold
+WARM_IDLE_LIMIT = 3          # warm steps in a row that draft nothing before the policy goes cold
 MAX_PROBE_INTERVAL = 1024    # cold steps between explorations, at most
+LEDGER_DECAY = 0.98          # per observation: the realized rates follow the last ~50 steps of a kind
+LEDGER_MIN = 16              # realized steps of both kinds (in a batch bucket) before they can veto drafting
+LEDGER_VETO = 0.97           # realized drafting / plain rate below which drafting is vetoed (noise margin)
+ANY_DEPTH = -1               # the ledger of every drafting step the fits chose, whatever its depth
 
 
 class LinearFit:
@@ -120,6 +134,24 @@ class Candidate:
 
 
 @dataclass(slots=True)
+class _Realized:
+    """Tokens emitted and seconds spent (step, plus the draft pass after a drafting step) by one
+    kind of decode step, exponentially forgotten per step: what drafting really returned."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = self.tokens * LEDGER_DECAY + tokens
+        self.seconds = self.seconds * LEDGER_DECAY + seconds
+        self.count += 1
+
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+@dataclass(slots=True)
 class _Acceptance:
     """Per-position conditional acceptance counts (``trials[j]``: draft ``j + 1`` was verified
     after ``j`` accepted ones; ``hits[j]``: it was accepted)."""
@@ -147,13 +179,13 @@ class FixedPolicy:
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
 
-    def wants_hidden(self, num_seqs: int) -> bool:
+    def wants_hidden(self, num_seqs: int, prompt_tokens: int = 0, batch_after: int = 0) -> bool:
         return True
 
     def depths(self, candidates: list[Candidate]) -> list[int]:
         return [min(self.max_depth, c.max_depth) for c in candidates]
 
-    def observe_step(self, num_seqs: int, num_tokens: int, num_drafts: int, has_prefill: bool, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, prompt_tokens: int, num_drafts: int, seconds: float) -> None:
         pass
 
     def observe_draft(self, depth: int, chain_rows: int, entries: int, seconds: float) -> None:
@@ -178,7 +210,7 @@ class AdaptivePolicy(FixedPolicy):
 
     def __init__(self, max_depth: int, prior_acceptance: float = 0.6) -> None:
         super().__init__(max_depth)
-        self.plain = LinearFit([0.0, 0.0])              # T(B) = a + b B
+        self.plain = LinearFit([0.0, 0.0, 0.0])         # T(B, P) = a + b B + p P (P: 1000s of prefill tokens)
         self.verify = LinearFit([0.0, 0.0])             # extra over T(B) = J + v * extra rows
         self.draft = LinearFit([0.0, 0.0, 0.0, 0.0])    # D0 + D1 depth + D2 chain rows + D3 entries
         self.pool = _Acceptance([PRIOR_STRENGTH] * max_depth, [PRIOR_STRENGTH * prior_acceptance] * max_depth)
@@ -191,25 +223,54 @@ class AdaptivePolicy(FixedPolicy):
         self.probes = 0                                 # exploring steps so far (their depth cycles 1..K)
         self.probe_interval = 64
         self.seen_batches: set[int] = set()             # batch-size buckets with a measured drafting step
+        self.realized: dict[int, dict[int, _Realized]] = {}   # bucket -> depth (0: plain) -> realized
+        self.accepted = 0                               # accepted drafts of the step being recorded
+        self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
+        self.vetoes = 0                                 # decisions where realized rates overruled the fits
+        self.chosen = 0                                 # deepest draft of the fits' last choice (0: none or a probe)
 
     # -- observations ----------------------------------------------------------------------------
-    def observe_step(self, num_seqs: int, num_tokens: int, num_drafts: int, has_prefill: bool, seconds: float) -> None:
-        """A finished target step (engine overhead included): ``num_tokens`` query rows of which
-        ``num_drafts`` verified drafts. Steps with prefill chunks are not decode costs: skipped."""
-        if has_prefill or num_seqs == 0:
+    def observe_step(self, num_seqs: int, prompt_tokens: int, num_drafts: int, seconds: float) -> None:
+        """A finished target step (engine overhead included): ``num_seqs`` decoding requests, which
+        verified ``num_drafts`` drafts in all, beside ``prompt_tokens`` prefill tokens (chunks)."""
+        accepted, self.accepted = self.accepted, 0
+        self._settle(0.0)
+        if num_seqs == 0:
             return
+        if prompt_tokens == 0:                          # realized rates: decode-only steps
+            if num_drafts == 0:
+                self._ledger(num_seqs, 0).add(num_seqs, seconds)
+            elif self.chosen:                           # probes and re-measuring steps are not the policy's rate
+                self.pending = (num_seqs, self.chosen, num_seqs + accepted, seconds)
+        # P in thousands of tokens: where every step carries about as many prompt tokens (short
+        # requests arriving all the time) the fit cannot tell ``a`` from ``p P``; its ridge then
+        # keeps ``p`` small, so T(B, 0) predicts what such steps cost (the plain step there).
+        x = [1.0, float(num_seqs), prompt_tokens / 1000.0]
         if num_drafts == 0:
-            self.plain.observe([1.0, float(num_seqs)], seconds)
+            self.plain.observe(x, seconds)
         else:
-            self.verify.observe([1.0, float(num_drafts)], seconds - self.plain.predict([1.0, float(num_seqs)]))
+            self.verify.observe([1.0, float(num_drafts)], seconds - self.plain.predict(x))
             self.seen_batches.add(_bucket(num_seqs))
 
     def observe_draft(self, depth: int, chain_rows: int, entries: int, seconds: float) -> None:
         """A finished draft pass: ``depth`` drafts deep, ``chain_rows`` rows over its chained
         steps, ``entries`` cache entries written by its first forward."""
         self.draft.observe([1.0, float(depth), float(chain_rows), float(entries)], seconds)
+        self._settle(seconds)
+
+    def _ledger(self, num_seqs: int, depth: int) -> _Realized:
+        return self.realized.setdefault(_bucket(num_seqs), {}).setdefault(depth, _Realized())
+
+    def _settle(self, draft_seconds: float) -> None:
+        """A drafting step's realized rate, once the draft pass after it (if any) is timed."""
+        if self.pending is not None:
+            num_seqs, depth, tokens, seconds = self.pending
+            self._ledger(num_seqs, depth).add(tokens, seconds + draft_seconds)
+            self._ledger(num_seqs, ANY_DEPTH).add(tokens, seconds + draft_seconds)
+            self.pending = None
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.accepted += num_accepted
         self.requests.setdefault(req_id, _Acceptance()).add(num_drafts, num_accepted)
         self.pool.add(num_drafts, num_accepted, POOL_DECAY)
 
@@ -217,9 +278,38 @@ class AdaptivePolicy(FixedPolicy):
         self.requests.pop(req_id, None)
 
     # -- decisions -------------------------------------------------------------------------------
-    def wants_hidden(self, num_seqs: int) -> bool:
-        """Whether the coming step's hidden states feed a draft pass (the draft cache stays warm)."""
-        return self.warm or self._probe_due(num_seqs)
+    def wants_hidden(self, num_seqs: int, prompt_tokens: int = 0, batch_after: int = 0) -> bool:
+        """Whether the coming step's hidden states feed a draft pass (the draft cache stays warm).
+
+        A step that carries ``prompt_tokens`` prefill tokens would put them all through the draft
+        model (its cache then holds the prompts). It does so only where a drafting step would pay
+        at ``batch_after`` decoding requests (the batch the new requests join: every request the
+        scheduler holds, up to ``max_num_seqs``) with that pass's cost included. Otherwise the
+        prompts stay out of the draft cache and no probe runs on the step: on the demo model,
+        batch 32 prefills over 16 such steps on CPU, which cost k = 2 a quarter more wall time than
+        k = 0's, for an acceptance length that did not change without them (2.54 vs 2.53, the MTP
+        layer's input ``h_t`` carries the context). A request whose drafts suffer from the gap shows
+        it in its own acceptance, and the policy stops drafting for it."""
+        if not (self.warm or self._probe_due(num_seqs)):
+            return False
+        return not prompt_tokens or self._pays_at(max(num_seqs, batch_after), prompt_tokens)
+
+    def _pays_at(self, num_seqs: int, prompt_tokens: int) -> bool:
+        """Whether drafting clearly pays at ``num_seqs`` decoding requests: a step drafting at some
+        depth at the pooled mean acceptance (not :meth:`acceptance`'s optimistic one: a prompt pass
+        is an investment, not an experiment), whose draft pass also writes ``prompt_tokens``
+        entries, beats the plain rate by the drafting margin, and the realized rates at that batch
+        size (if measured) agree by the same margin (True while the costs are being measured)."""
+        if not self._costs_known():
+            return True
+        ratio = self._realized_ratio(num_seqs)
+        if ratio is not None and ratio < DRAFT_MARGIN:
+            return False
+        rates = [self.pool.hits[j] / self.pool.trials[j] for j in range(self.max_depth)]
+        reach = [_reach(rates, self.max_depth)] * num_seqs
+        plain_s = max(self.plain.predict([1.0, float(num_seqs), prompt_tokens / 1000.0]), 1e-6)   # prompts in both
+        return any(self._rate([depth] * num_seqs, reach, num_seqs, plain_s, prompt_tokens)
+                   >= DRAFT_MARGIN * num_seqs / plain_s for depth in range(1, self.max_depth + 1))
 
     def _probe_due(self, num_seqs: int) -> bool:
         return self.cold_steps >= self.probe_interval or _bucket(num_seqs) not in self.seen_batches
@@ -250,6 +340,7 @@ class AdaptivePolicy(FixedPolicy):
     def depths(self, candidates: list[Candidate]) -> list[int]:
         """Each candidate's drafts for the next step (0: none); updates the warm/cold state. No
         candidates while cold: a step sent ahead is in flight (async scheduling), one more cold step."""
+        self.chosen = 0
         if not candidates:
             if not self.warm:
                 self.cold_steps += 1
@@ -261,12 +352,14 @@ class AdaptivePolicy(FixedPolicy):
         if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
             if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
                 self.probe_interval = min(MAX_PROBE_INTERVAL, self.probe_interval * 2)
+                plain = self._ledger(num_seqs, 0)             # vetoed depths of this batch size get retried
+                self.realized[_bucket(num_seqs)] = {0: plain}
             self.warm, self.cold_steps, self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
             return [min(depth, c.max_depth) for c in candidates]
         reach = [_reach(self.acceptance(c.req_id), c.max_depth) for c in candidates]   # prod c_i per depth
-        plain_s = max(self.plain.predict([1.0, float(num_seqs)]), 1e-6)
+        plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         plain_rate = num_seqs / plain_s
         per_token = max(self.verify.w[1] + self.draft.w[2], 0.0)                       # one more draft token
         floor = per_token * plain_rate                                                 # tokens it must bring
@@ -274,6 +367,9 @@ class AdaptivePolicy(FixedPolicy):
         for depth in range(1, self.max_depth + 1):
             choice = [_cut(r, depth, floor) for r in reach]
             if not any(choice):
+                continue
+            if self._vetoed(num_seqs, max(choice)):
+                self.vetoes += 1
                 continue
             rate = self._rate(choice, reach, num_seqs, plain_s)
             if rate > best_rate:
@@ -286,8 +382,9 @@ class AdaptivePolicy(FixedPolicy):
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps = 0 if self.warm else self.cold_steps + 1
-        if any(best):                                        # drafting pays again: probe soon after it stops
-            self.probe_interval = 64
+        if any(best):
+            if self._realized_ratio(num_seqs, max(best)) is not None:   # it paid where measured: probe soon
+                self.probe_interval = 64                     # after it stops (not while a veto is retried)
             self.drafting_steps += 1
             if self.drafting_steps > RECHECK_INTERVAL:       # re-measure: alternately a warm plain step
                 self.drafting_steps = 0                      # (T(B) current) and one a draft off the best
@@ -297,15 +394,40 @@ class AdaptivePolicy(FixedPolicy):
                 return [_neighbour(depth, c.max_depth) for depth, c in zip(best, candidates)]
         else:
             self.drafting_steps = 0
+        self.chosen = max(best)
         return best
 
-    def _rate(self, choice: list[int], reach: list[list[float]], num_seqs: int, plain_s: float) -> float:
-        """Expected tokens per second of a step drafting ``choice`` (per request)."""
+    def _vetoed(self, num_seqs: int, depth: int) -> bool:
+        """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those
+        the fits chose, with the draft pass after each), returned fewer tokens per second than its plain ones (both
+        measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of ~50 steps): the
+        fits' estimate is then wrong somewhere, and what was measured wins. Each probe of the batch
+        size forgets its drafting steps, so a vetoed depth is retried after 64, 128, ... 1024 cold
+        steps."""
+        return any(ratio is not None and ratio < LEDGER_VETO
+                   for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH)))
+
+    def _realized_ratio(self, num_seqs: int, depth: int = ANY_DEPTH) -> float | None:
+        """Realized tokens per second of drafting at ``depth`` (``ANY_DEPTH``: every drafting step)
+        over plain steps at this batch size; None until both have ``LEDGER_MIN`` steps."""
+        ledger = self.realized.get(_bucket(num_seqs), {})
+        plain = ledger.get(0)
+        if plain is None or plain.count < LEDGER_MIN:
+            return None
+        drafting = ledger.get(depth)
+        if drafting is None or drafting.count < LEDGER_MIN:
+            return None
+        return drafting.rate() / max(plain.rate(), 1e-9)
+
+    def _rate(self, choice: list[int], reach: list[list[float]], num_seqs: int, plain_s: float,
+              prompt_tokens: int = 0) -> float:
+        """Expected tokens per second of a step drafting ``choice`` (per request), whose draft pass
+        also writes ``prompt_tokens`` prompt entries."""
         tokens = sum(1.0 + sum(r[:d]) for r, d in zip(reach, choice))
         extra = sum(choice)
         depth = max(choice)
         chain_rows = sum(sum(1 for d in choice if d > step) for step in range(1, depth))
-        entries = num_seqs + sum(sum(r[:d]) for r, d in zip(reach, choice))
+        entries = num_seqs + sum(sum(r[:d]) for r, d in zip(reach, choice)) + prompt_tokens
         seconds = (plain_s + max(self.verify.predict([1.0, float(extra)]), 0.0)
                    + max(self.draft.predict([1.0, float(depth), float(chain_rows), entries]), 0.0))
         return tokens / max(seconds, 1e-6)

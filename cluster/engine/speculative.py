@@ -177,6 +177,13 @@ def _token_slice(request, start: int, stop: int) -> list[int]:
     return prompt[start:stop] + output[:max(0, stop - len(prompt))]
 
 
+def _step_shape(plan) -> tuple[int, int]:
+    """``(decoding requests, prefill tokens)`` of a step's plan: a request decodes when its row
+    count is one plus its drafts; every row of any other request is a prompt token."""
+    decoding = [s.sample and len(s.token_ids) == 1 + s.num_spec_tokens for s in plan.scheduled]
+    return sum(decoding), sum(len(s.token_ids) for s, d in zip(plan.scheduled, decoding) if not d)
+
+
 class Speculator:
     """Drives a draft model around the engine's steps.
 
@@ -204,9 +211,10 @@ class Speculator:
         self._num_sent_blocks.clear()
         self._pending_finished = []
 
-    def wants_hidden(self, batch: ScheduledBatch) -> bool:
-        """Whether this step's hidden states will feed a draft pass (``plan.return_hidden``)."""
-        return self.policy.wants_hidden(sum(1 for s in batch.plan.scheduled if s.sample))
+    def wants_hidden(self, batch: ScheduledBatch, batch_after: int) -> bool:
+        """Whether this step's hidden states will feed a draft pass (``plan.return_hidden``);
+        ``batch_after``: the decoding batch this step's new requests join (requests held, capped)."""
+        return self.policy.wants_hidden(*_step_shape(batch.plan), batch_after)
 
     def record(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Count accepted drafts (before any stop truncates the run), per request and in total."""
@@ -224,11 +232,8 @@ class Speculator:
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """A finished target step (``seconds``: schedule to update, engine overhead included)."""
-        plan = batch.plan
-        self.policy.observe_step(sum(1 for s in plan.scheduled if s.sample), sum(len(s.token_ids) for s in plan.scheduled),
-                                 sum(s.num_spec_tokens for s in plan.scheduled),
-                                 any(not s.sample or len(s.token_ids) > 1 + s.num_spec_tokens for s in plan.scheduled),
-                                 seconds)
+        num_seqs, prompt_tokens = _step_shape(batch.plan)
+        self.policy.observe_step(num_seqs, prompt_tokens, sum(s.num_spec_tokens for s in batch.plan.scheduled), seconds)
 
     def _num_drafts(self, core: EngineCore, request) -> int:
         """``K``, cut so that no draft can land past ``max_tokens`` or the context length."""
