@@ -90,7 +90,7 @@ def test_adaptive_sampling_matches_the_target_distribution(mtp_checkpoint):
     # the draft cache and realized rates veto nothing (both tested in tests/cluster/test_spec_policy.py).
     policy._pays_at = lambda num_seqs, prompt_tokens: True
     policy._vetoed = lambda num_seqs, depth: False
-    policy.verify.predict = lambda x: 0.0        # and verify steps cost what plain ones do: depth by acceptance
+    policy.verify.observe = lambda x, y: None    # and verify rows look free: the depth follows acceptance
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i if i % 2 else None, ignore_eos=True)
               for i in range(num)]
     spec = [d.token_ids for d in llm.generate([prompt] * num, params)]

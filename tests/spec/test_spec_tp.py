@@ -97,7 +97,8 @@ def _generate(runner, path: str, k: int, policy: str, group, batch: list[list[in
             observe = speculator.policy.observe_draft
             speculator.policy.observe_draft = lambda d, rows, entries, sec: observe(d, rows, entries, sec * 0.05)
             speculator.policy._pays_at = lambda num_seqs, prompt_tokens: True   # prompts enter the draft cache
-            speculator.policy._vetoed = lambda num_seqs, depth: False           # and realized rates veto nothing
+            speculator.policy._vetoed = lambda num_seqs, depth: False           # realized rates veto nothing,
+            speculator.policy.verify.observe = lambda x, y: None                # verify rows look free
     tokenizer = load_tokenizer(files)
     limits = SchedulerConfig(64, 16, 256) if isinstance(params, SamplingParams) else SchedulerConfig(24, 96, 256)
     core = EngineCore(_BroadcastExecutor(runner), tokenizer, NUM_BLOCKS, BLOCK_SIZE, limits,
