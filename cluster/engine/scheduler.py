@@ -4,8 +4,9 @@ Each step fills a token budget: running requests first (a decode costs one token
 prefill continues as a chunk), then waiting requests in arrival order (a prefix-cache hit counts
 as already computed). Prompt tokens may have a smaller budget of their own
 (``max_prefill_tokens``): a burst of new requests then starts over several short steps. When the
-pool runs out of blocks the newest running request is preempted (its blocks freed, recomputed later). The output is a :class:`workers.messages.StepPlan`: new
-requests in full once, then per-step diffs (tokens to compute, blocks added).
+pool runs out of blocks the newest running request is preempted (its blocks freed, recomputed
+later). The output is a :class:`workers.messages.StepPlan`: new requests in full once, then
+per-step diffs (tokens to compute, blocks added).
 
 Hybrid recurrent models (Qwen3-Next) also need a state slot per running request
 (:class:`cluster.engine.state_slots.StateSlots`): taken on admission together with the blocks, given back

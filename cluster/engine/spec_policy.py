@@ -211,7 +211,7 @@ class AdaptivePolicy(FixedPolicy):
     def __init__(self, max_depth: int, prior_acceptance: float = 0.6) -> None:
         super().__init__(max_depth)
         self.plain = LinearFit([0.0, 0.0, 0.0])         # T(B, P) = a + b B + p P (P: 1000s of prefill tokens)
-        self.verify = LinearFit([0.0, 0.0])             # extra over T(B) = J + v * extra rows
+        self.verify = LinearFit([0.0, 0.0])             # extra over T(B, P) = J + v * extra rows
         self.draft = LinearFit([0.0, 0.0, 0.0, 0.0])    # D0 + D1 depth + D2 chain rows + D3 entries
         self.pool = _Acceptance([PRIOR_STRENGTH] * max_depth, [PRIOR_STRENGTH * prior_acceptance] * max_depth)
         self.requests: dict[str, _Acceptance] = {}
@@ -226,7 +226,6 @@ class AdaptivePolicy(FixedPolicy):
         self.realized: dict[int, dict[int, _Realized]] = {}   # bucket -> depth (0: plain) -> realized
         self.accepted = 0                               # accepted drafts of the step being recorded
         self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
-        self.vetoes = 0                                 # decisions where realized rates overruled the fits
         self.chosen = 0                                 # deepest draft of the fits' last choice (0: none or a probe)
 
     # -- observations ----------------------------------------------------------------------------
@@ -369,7 +368,6 @@ class AdaptivePolicy(FixedPolicy):
             if not any(choice):
                 continue
             if self._vetoed(num_seqs, max(choice)):
-                self.vetoes += 1
                 continue
             rate = self._rate(choice, reach, num_seqs, plain_s)
             if rate > best_rate:
@@ -399,11 +397,11 @@ class AdaptivePolicy(FixedPolicy):
 
     def _vetoed(self, num_seqs: int, depth: int) -> bool:
         """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those
-        the fits chose, with the draft pass after each), returned fewer tokens per second than its plain ones (both
-        measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of ~50 steps): the
-        fits' estimate is then wrong somewhere, and what was measured wins. Each probe of the batch
-        size forgets its drafting steps, so a vetoed depth is retried after 64, 128, ... 1024 cold
-        steps."""
+        the fits chose, with the draft pass after each), returned fewer tokens per second than its
+        plain ones (both measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of
+        ~50 steps): the fits' estimate is then wrong somewhere, and what was measured wins. Each
+        probe of the batch size forgets its drafting steps, so a vetoed depth is retried after 64,
+        128, ... 1024 cold steps."""
         return any(ratio is not None and ratio < LEDGER_VETO
                    for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH)))
 
