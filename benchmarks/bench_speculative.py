@@ -113,7 +113,6 @@ def measure(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
     for repeat in range(-1, repeats):                               # repeat -1: warm-up (not timed)
         for row, speculator in zip(rows, speculators):
             core.speculator = speculator
-            core.scheduler.config.num_speculative_tokens = speculator.num_speculative_tokens if speculator else 0
             before = (speculator.stats.num_drafts, speculator.stats.num_accepted_tokens,
                       list(speculator.stats.depth_steps)) if speculator else None
             wall, decode, tokens = timed_generate(llm, prompts, params)

@@ -97,8 +97,6 @@ class EngineCore:
         self.requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.speculator = speculator
-        if speculator is not None:
-            scheduler_config.num_speculative_tokens = speculator.num_speculative_tokens
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -166,10 +164,12 @@ class EngineCore:
         """This step's plan (empty ``plan.scheduled`` when there is nothing to run); a constrained
         request that samples carries its token bitmask (``cluster/engine/grammar.py``)."""
         self._check_drafts()
+        # the decoding batch this step's new requests join: every request held, up to max_num_seqs
+        batch_after = min(self.scheduler.num_unfinished, self.scheduler.config.max_num_seqs)
+        self.scheduler.recompute_last_hit = self.speculator is not None and self.speculator.caches_prompts(batch_after)
         batch = self.scheduler.schedule()
         if self.speculator is not None and batch.plan.scheduled:
             # the MTP needs h_t of every computed position, unless its policy skips the next pass
-            batch_after = min(self.scheduler.num_unfinished, self.scheduler.config.max_num_seqs)
             batch.plan.return_hidden = self.speculator.wants_hidden(batch, batch_after)
         for request, sched in zip(batch.requests, batch.plan.scheduled):
             if sched.sample and request.grammar is not None:

@@ -30,9 +30,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64                 # sequences in one step at most
     max_num_batched_tokens: int = 2048     # token budget of one step (prefill chunks included)
     max_model_len: int = 8192              # context length at most (prompt + output)
-    # > 0 with MTP speculation: a prefix-cache hit gives back its last block, so the MTP cache entry
-    # of the last hit position (which depends on the token after it) is recomputed by this request.
-    num_speculative_tokens: int = 0
     # Prompt tokens (prefills and prefill chunks, not decodes) one step computes at most; None: only
     # the step budget. A burst of prompts is then admitted over several steps, so the first ones
     # stream while the rest prefill, instead of all waiting for one long step (issue 30).
@@ -64,6 +61,11 @@ class Scheduler:
         # False while a weight reload drains: only requests that already produced output (preempted
         # ones, queued at the front) are admitted; fresh ones wait and run on the new weights.
         self.admit_new = True
+        # Set per step by the engine while the MTP draft model caches new prompts: a prefix-cache hit
+        # then gives back its last block, so the draft cache entry of the last hit position (which
+        # depends on the token after it) is recomputed by this request. Off, a hit costs nothing more
+        # than without speculation (a cold adaptive policy: the prompts skip the draft model anyway).
+        self.recompute_last_hit = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -162,7 +164,7 @@ class Scheduler:
             if request.num_placeholders:   # preempted while a step sampled for it: wait for that token
                 break
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
-            if self.config.num_speculative_tokens and hits:
+            if self.recompute_last_hit and hits:
                 hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if self.state_slots is not None and not self.state_slots.num_free:

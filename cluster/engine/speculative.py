@@ -216,6 +216,11 @@ class Speculator:
         ``batch_after``: the decoding batch this step's new requests join (requests held, capped)."""
         return self.policy.wants_hidden(*_step_shape(batch.plan), batch_after)
 
+    def caches_prompts(self, batch_after: int) -> bool:
+        """Whether prompts admitted now will likely go through the draft model (their prefix-cache
+        hits then recompute the last hit block, see ``Scheduler.recompute_last_hit``)."""
+        return self.policy.caches_prompts(batch_after)
+
     def record(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Count accepted drafts (before any stop truncates the run), per request and in total."""
         emitted = Counter(s.req_id for s in result.sampled)

@@ -187,3 +187,22 @@ def test_prefill_budget_default_only_on_cpu():
 
     with pytest.raises(ValueError, match="max-prefill-tokens"):
         EngineArgs(max_prefill_tokens=0).validate()
+
+
+def test_a_prefix_hit_gives_back_its_last_block_only_while_the_draft_model_caches_prompts():
+    """With MTP the draft cache entry of a hit's last position depends on the token after it, so a
+    request recomputes the hit's last block while the draft model caches prompts; otherwise (no
+    speculation, or an adaptive policy that keeps the draft model cold) it keeps every hit."""
+    computed = {}
+    for recompute in (False, True):
+        bm = BlockManager(num_blocks=16, block_size=4)
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=32), bm)
+        first = Request("a", list(range(13)), SamplingParams())
+        s.add(first)
+        s.schedule()
+        bm.cache_full_blocks(first)
+        s.finish(first, RequestStatus.FINISHED_LENGTH)
+        s.recompute_last_hit = recompute
+        s.add(Request("b", list(range(13)) + [50], SamplingParams()))
+        computed[recompute] = s.schedule().plan.scheduled[0].start_pos
+    assert computed == {False: 12, True: 8}

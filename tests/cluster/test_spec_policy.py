@@ -254,3 +254,18 @@ def test_realized_rates_veto_drafting_the_fits_overrate():
     print({key: f"{value:.3f}x" for key, value in rates.items()})
     assert rates["break-even", True] > rates["break-even", False] + 0.015
     assert rates["pays", True] > 0.99 * rates["pays", False] and rates["pays", True] > 1.1
+
+
+def test_prompts_recompute_a_prefix_hit_block_only_while_the_draft_model_will_cache_them():
+    """A prefix-cache hit gives back its last block for the draft cache only where the prompts
+    will go through the draft model: at a batch where drafting pays, not where the policy stays
+    cold (there k = 0 kept every hit and the policy recomputed a block per request)."""
+    policy = AdaptivePolicy(3)
+    assert policy.caches_prompts(64)                       # costs unknown: it explores, prompts included
+    for batch in (1, 64):
+        Simulation([[0.8, 0.7, 0.6]] * batch, b=0.0005, v=0.0005, d=(0.0005, 0.0008, 0.0005, 0.00002)).run(policy, 200)
+    policy.warm, policy.cold_steps = True, 0
+    assert policy.caches_prompts(1) and not policy.caches_prompts(64)
+    policy.warm = False
+    assert not policy.caches_prompts(1)                    # cold until its next probe
+    assert FixedPolicy(3).caches_prompts(64)
