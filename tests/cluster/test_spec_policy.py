@@ -269,3 +269,41 @@ def test_prompts_recompute_a_prefix_hit_block_only_while_the_draft_model_will_ca
     policy.warm = False
     assert not policy.caches_prompts(1)                    # cold until its next probe
     assert FixedPolicy(3).caches_prompts(64)
+
+
+def test_requests_that_accept_alike_are_not_each_rated_optimistically():
+    """The first draft's prior weighs as many trials as finished requests differ: 32 new requests
+    that accept alike (~0.65) each looked 0.24 better than the pool with a fixed prior of 4 trials,
+    and at batch 32 the policy drafted where plain decoding was faster. Where requests differ much
+    (0.9 beside 0.0) a new one is still rated optimistically, so it gets tried."""
+    alike, differ = AdaptivePolicy(3), AdaptivePolicy(3)
+    rng = random.Random(0)
+    for i in range(40):
+        for policy, rate in ((alike, 0.65), (differ, 0.9 if i % 2 else 0.0)):
+            for _ in range(12):
+                policy.observe_acceptance(f"r{i}", 1, int(rng.random() < rate))
+            policy.forget(f"r{i}")
+    for policy, bonus in ((alike, 0.04), (differ, 0.15)):
+        pooled = policy.pool.hits[0] / policy.pool.trials[0]
+        high = policy.acceptance("new")[0]
+        assert (high - pooled < bonus) if policy is alike else (high - pooled > bonus)
+    assert alike.spread.prior_strength(0.65) > 100 and differ.spread.prior_strength(0.45) == 4.0
+
+
+def test_a_batch_size_where_drafting_loses_stays_vetoed_while_small_batches_draft():
+    """Runs of batch 32 (drafting costs more than it returns) alternate with tails of batch 2
+    (drafting pays), as in the demo benchmark's batch-32 runs. In the engine, drafting that paid at
+    the small batches reset the one probe interval, so every batch-32 phase probed again, forgot
+    its veto and drafted until vetoed anew; probe intervals are now per batch-size bucket. Batch 32
+    stays plain once it learned."""
+    policy = AdaptivePolicy(3)
+    drafted_late = 0
+    for cycle in range(12):
+        big = Simulation([[0.65] * 4] * 32, b=0.0006, v=0.0006, d=(0.001, 0.002, 0.0004, 0.00004),
+                         seed=cycle, request_steps=1000 + cycle)
+        _, _, history = big.run(policy, 60)
+        if cycle >= 6:
+            drafted_late += sum(1 for depths in history if any(depths))
+        Simulation([[0.8] * 4] * 2, seed=cycle, request_steps=2000 + cycle).run(policy, 20)
+    assert _best_fixed_rate(big)[0] == 0
+    assert drafted_late <= 6, drafted_late
