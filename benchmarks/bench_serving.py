@@ -67,9 +67,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def distinct_prompts(num_requests: int) -> list[str]:
-    """The default workload: ``num_requests`` prompts that differ in their first token."""
-    return [f"{index}. {PROMPT}" for index in range(num_requests)]
+def distinct_prompts(num_requests: int, first: int = 0) -> list[str]:
+    """The default workload: ``num_requests`` prompts that differ in their first token, numbered
+    from ``first`` (each run of a server numbers on from the last, so that no run's prompts hit the
+    prefix cache its earlier runs filled)."""
+    return [f"{index}. {PROMPT}" for index in range(first, first + num_requests)]
 
 
 def shared_prefix_prompts(num_prefixes: int, questions: int, prefix_words: int) -> list[str]:
@@ -347,10 +349,12 @@ def measure_server(server: Server, concurrencies: list[int], args, results: list
     """Start-up, then one load run per concurrency; always stops the server."""
     try:
         server.wait_ready(args.ready_timeout)
+        first = 0
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
             result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens,
-                                          api_key=args.api_key, prompts=workload(args)))
+                                          api_key=args.api_key, prompts=workload(args) or distinct_prompts(num, first)))
+            first += num
             results.append(result)
             print(format_row(result), flush=True)
             if concurrency == concurrencies[-1]:   # resident memory after the heaviest run
@@ -466,10 +470,13 @@ def main() -> None:
     concurrencies = args.concurrencies = [int(c) for c in args.concurrency.split(",")]
     if args.base_url:
         print(HEADER)
+        first = 0
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
+            prompts = workload(args) or distinct_prompts(num, first)
+            first += num
             print(format_row(asyncio.run(run_load(args.base_url.rstrip("/"), args.base_url, concurrency, num,
-                                                  args.max_tokens, args.model, args.api_key, workload(args)))),
+                                                  args.max_tokens, args.model, args.api_key, prompts))),
                   flush=True)
         return
     sys.path.insert(0, str(Path(__file__).parent))

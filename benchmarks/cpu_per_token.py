@@ -49,7 +49,8 @@ def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
 def measure(server: bs.Server, num_requests: int, max_tokens: int, concurrency: int = 1) -> None:
     asyncio.run(bs.run_load(server.base_url, server.name, 1, 2, max_tokens))   # warm-up
     before, start = tree_cpu(server.proc.pid), time.monotonic()
-    result = asyncio.run(bs.run_load(server.base_url, server.name, concurrency, num_requests, max_tokens))
+    result = asyncio.run(bs.run_load(server.base_url, server.name, concurrency, num_requests, max_tokens,
+                                     prompts=bs.distinct_prompts(num_requests, first=2)))   # not the warm-up's
     after, wall = tree_cpu(server.proc.pid), time.monotonic() - start
     tokens = max(1, result.output_tokens)
     used: dict[str, float] = {}
