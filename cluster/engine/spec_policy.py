@@ -341,9 +341,9 @@ class AdaptivePolicy(FixedPolicy):
     def caches_prompts(self, batch_after: int) -> bool:
         """Whether prompts admitted now will likely go through the draft model (:meth:`wants_hidden`
         of a step that carries them, its prompt pass not counted): only then is the last block of a
-        prefix-cache hit recomputed for the draft cache. Where drafting does not pay (batch 32 of the
-        demo model) k = 0 kept all its hits and the policy recomputed a block per request: 512 more
-        prompt tokens per batch of 32 prompts of 64 tokens, a few percent of wall time (issue 31)."""
+        prefix-cache hit recomputed for the draft cache. Before, a policy that stayed cold (batch 32 of
+        the demo model) recomputed a block per hit that k = 0 kept: 512 more prompt tokens for 32
+        prompts of 64 tokens whose prefixes were cached (issue 31)."""
         return (self.warm or self._probe_due(batch_after)) and self._pays_at(max(batch_after, 1), 0)
 
     def _pays_at(self, num_seqs: int, prompt_tokens: int) -> bool:
