@@ -40,7 +40,8 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPUs per rank; below 1 a rank plans for that share of its GPU")
     parser.add_argument("--gpu-memory-gib", type=_gib, default=None,
-                        help="memory of one GPU in GiB (default: this machine's GPU; required without one)")
+                        help="memory of one GPU in GiB (default: this machine's GPU; without one, --device auto "
+                             "plans for this machine's CPU and --device cuda needs this flag)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -64,6 +65,16 @@ def _device_bytes(ns: argparse.Namespace, device: str) -> int:
     return int(total * min(1.0, ns.gpus_per_worker))
 
 
+def _plan_device(ns: argparse.Namespace, device: str) -> str:
+    """The device ``plan`` plans for: ``--device`` when given; under ``auto`` a GPU when one is
+    visible or ``--gpu-memory-gib`` names one, else this machine's CPU (where ``serve`` would run)."""
+    from shardserve.workers.device import visible_gpus
+
+    if device != "auto":
+        return device
+    return "cuda" if ns.gpu_memory_gib is not None or visible_gpus() else "cpu"
+
+
 def build_plan(ns: argparse.Namespace, args):
     """The :class:`workers.plan.ReplicaPlan` of ``plan``'s arguments (``args``: their EngineArgs).
 
@@ -82,7 +93,7 @@ def build_plan(ns: argparse.Namespace, args):
         raise FileNotFoundError(f"{files.path}: no config.json (plan reads the model's shape from it)")
     hf_config = args.model_config(load_config(files))
     args.check_model_limits(hf_config)
-    device = "cpu" if args.device == "cpu" else "cuda"
+    device = _plan_device(ns, args.device)
     ckpt = open_for_plan(files.path, hf_config)
     gguf_types = ckpt.matrix_types() if isinstance(ckpt, GGUFCheckpoint) else None
     dtype = resolve_dtype(args.dtype, device, gguf_types, args.quantization)

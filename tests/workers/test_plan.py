@@ -179,3 +179,20 @@ def test_dp_attention_plan_of_deepseek_v32_fp8_on_eight_h200s(v32_fp8, capsys):
         print(f"\nDeepSeek-V3.2 FP8, 8 x 141 GiB, --max-model-len 32768: KV tokens per replica TP=8 {plain}, "
               f"DP attention {tokens} ({ratio}x); per rank {ranks[0]['weight_bytes'] / GIB:.2f} GiB of weights "
               f"(TP=8: {info['plain_tp_weight_bytes'][0] / GIB:.2f} GiB)")
+
+
+def test_device_auto_plans_for_the_cpu_where_no_gpu_is_visible(v32_fp8, capsys, monkeypatch):
+    """A CPU-only machine plans for its own memory under ``--device auto`` (where ``serve`` would
+    run); a GPU plan needs the GPU's size there, and ``--gpu-memory-gib`` chooses one."""
+    import shardserve.workers.device as device
+
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)
+    tiny = ["--max-model-len", 4096, "--json"]
+    code, out, err = run(capsys, v32_fp8, "-tp", 8, *tiny)
+    plan = json.loads(out)   # 671B parameters do not fit in this machine's memory: exit code 2
+    assert code == 2 and ", cpu" in plan["notes"][0] and not plan["fits"], err
+    assert abs(plan["ranks"][0]["device_bytes"] - device.host_memory_available()) < GIB
+    code, _, err = run(capsys, v32_fp8, "--device", "cuda", *tiny)
+    assert code == 2 and err.count("\n") == 1 and "no GPU is visible here: give --gpu-memory-gib" in err
+    code, out, err = run(capsys, v32_fp8, "-tp", 8, "--gpu-memory-gib", 141, *tiny)
+    assert code == 0 and ", cuda" in json.loads(out)["notes"][0], err
