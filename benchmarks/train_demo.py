@@ -7,7 +7,7 @@ DeepSeek-V3's form (``eh_proj(concat(enorm(embed(x_{t+1})), hnorm(h_t)))`` -> on
 Data: tinyshakespeare (``../shared/data/tinyshakespeare.txt``), a byte-level BPE tokenizer of about
 2k tokens trained by ``tokenizers``; the last 10% of the tokens are held out for validation.
 
-Three stages, after the DeepSeek-V3.2 report (arXiv:2512.02556, Sec. 2.1.1):
+Four stages, the first three after the DeepSeek-V3.2 report (arXiv:2512.02556, Sec. 2.1.1):
 
 1. dense: every attention dense (the indexer is bypassed), next-token loss + 0.3 x the MTP loss
    (DeepSeek-V3's lambda); MoE load balanced aux-loss-free (router bias +-0.001 per step by the
@@ -18,8 +18,12 @@ Three stages, after the DeepSeek-V3.2 report (arXiv:2512.02556, Sec. 2.1.1):
 3. sparse: attention over the indexer's top-k (``--top-k``); the model trains on the LM + MTP
    losses, each indexer on the KL restricted to its selected keys, its inputs detached from the
    model's graph.
+4. distill: the main model frozen, the MTP layer alone learns the main model's next-token
+   distribution (``KL(p_main(x_{t+2} | x_{<=t+1}) || p_mtp)``, sparse attention): what drafting is
+   judged against. DeepSeek's MTP modules train jointly on the corpus at a scale where they agree
+   with the model ~85-90 % of the time; a model this small needs the target's labels to get near.
 
-Deterministic for a given ``--seed`` and ``--threads``. The default schedule takes about 20 minutes
+Deterministic for a given ``--seed`` and ``--threads``. The default schedule takes 12-20 minutes
 on 2 idle cores. It writes an HF checkpoint folder (``config.json``, ``model.safetensors`` with the
 MTP layer as ``model.layers.{L}.*`` in DeepSeek's layout, tokenizer files, ``training_summary.json``)
 that transformers' ``DeepseekV32ForCausalLM`` loads, by default into
@@ -58,7 +62,7 @@ DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=
 
 @dataclass(slots=True)
 class Schedule:
-    """Steps, batch shapes and learning rates of the three stages."""
+    """Steps, batch shapes and learning rates of the four stages."""
 
     dense_steps: int = 130            # of which the last `long_steps` use `long_len`
     long_steps: int = 30
@@ -73,6 +77,8 @@ class Schedule:
     lr: float = 2e-3
     indexer_lr: float = 1e-3
     sparse_lr: float = 3e-4
+    distill_steps: int = 60           # the MTP layer alone, on the main model's predictions
+    distill_lr: float = 1e-3
 
 
 def default_data_path() -> Path:
@@ -144,12 +150,24 @@ class DemoModel(nn.Module):
     def forward(self, ids: torch.Tensor, output_attentions: bool = False):
         out = self.main.model(ids, output_attentions=output_attentions)
         hidden = out.last_hidden_state                                         # h_t (final-normed)
+        mtp_logits, mtp_attentions = self.mtp(ids, hidden, output_attentions)
+        attentions = (out.attentions or ()) + mtp_attentions
+        return self.main.lm_head(hidden), mtp_logits, attentions
+
+    def mtp(self, ids: torch.Tensor, hidden: torch.Tensor, output_attentions: bool = False):
+        """The MTP layer over the main model's final-normed ``hidden [B, S, H]``: ``(mtp_logits
+        [B, S - 1, V], its block's attentions)``."""
         embed = self.main.model.embed_tokens(ids[:, 1:])
         fused = self.eh_proj(torch.cat((self.enorm(embed), self.hnorm(hidden[:, :-1])), dim=-1))
         mtp = self.block(inputs_embeds=fused.float(), output_attentions=output_attentions)   # fp32 mask dtype
-        logits, mtp_logits = self.main.lm_head(hidden), self.main.lm_head(mtp.last_hidden_state)
-        attentions = (out.attentions or ()) + (mtp.attentions or ())
-        return logits, mtp_logits, attentions
+        return self.main.lm_head(mtp.last_hidden_state), mtp.attentions or ()
+
+    def mtp_params(self) -> list[nn.Parameter]:
+        """The MTP layer's own parameters but its indexer's (the shared embedding and head are the
+        main model's)."""
+        indexer = {id(p) for p in self.block.layers[0].self_attn.indexer.parameters()}
+        own = list(self.block.parameters()) + [p for m in (self.enorm, self.hnorm, self.eh_proj) for p in m.parameters()]
+        return [p for p in own if id(p) not in indexer and p.requires_grad]
 
     def indexers(self) -> list[nn.Module]:
         """Every DSA indexer, main layers first, then the MTP block's."""
@@ -305,7 +323,10 @@ def model_params(model: DemoModel) -> list[nn.Parameter]:
 
 def run_stage(name: str, model: DemoModel, tokens, sched: Schedule, gen, log) -> None:
     """One training stage (see the module docstring); logs a line every 10 steps."""
-    steps = {"dense": sched.dense_steps, "warmup": sched.warmup_steps, "sparse": sched.sparse_steps}[name]
+    steps = {"dense": sched.dense_steps, "warmup": sched.warmup_steps, "sparse": sched.sparse_steps,
+             "distill": sched.distill_steps}[name]
+    if name == "distill":
+        return distill_stage(model, tokens, sched, gen, log)
     if name == "warmup":
         params, peak = [p for ix in model.indexers() for p in ix.parameters()], sched.indexer_lr
     else:
@@ -339,6 +360,45 @@ def run_stage(name: str, model: DemoModel, tokens, sched: Schedule, gen, log) ->
     for hooks in (loads, captured):
         if hooks is not None:
             hooks.close()
+
+
+def distill_stage(model: DemoModel, tokens, sched: Schedule, gen, log) -> None:
+    """Stage 4: the main model frozen (its routers too), only the MTP layer trains (its indexer
+    stays as stage 3 left it), by the cross-entropy of its prediction of ``x_{t+2}`` against the
+    main model's own distribution at ``t + 1`` (self-distillation, as EAGLE / Medusa-2 train draft
+    heads): a draft is accepted when it agrees with the target, so the target's predictions are the
+    labels that matter, not the corpus's. Sparse attention, as served. Logs the KL and how often
+    the two greedy tokens agree."""
+    params = model.mtp_params()
+    frozen = [p for p in model.main.parameters() if p.requires_grad]
+    for p in frozen:   # the shared embedding and head too: no gradients computed for them
+        p.requires_grad_(False)
+    opt = optimizer(params, sched.distill_lr)
+    loads = RouterLoads([layer.mlp.gate for layer in model.block.layers if hasattr(layer.mlp, "gate")])
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with indexer_mode(model, model.main.config.index_topk):
+        for step in range(sched.distill_steps):
+            ids = sample_batch(tokens, sched.sparse_len, sched.sparse_batch_size, gen)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, sched.distill_steps, sched.distill_lr)
+            with autocast:
+                with torch.no_grad():
+                    hidden = model.main.model(ids).last_hidden_state
+                    target = model.main.lm_head(hidden[:, 1:]).float()          # predicts x_{t+2}
+                mtp_logits, _ = model.mtp(ids, hidden)
+            log_p, log_q = torch.log_softmax(target, -1), torch.log_softmax(mtp_logits.float(), -1)
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            kl.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            loads.update()
+            if step % 10 == 0 or step == sched.distill_steps - 1:
+                agree = (target.argmax(-1) == mtp_logits.argmax(-1)).float().mean().item()
+                log(f"distill step {step + 1}/{sched.distill_steps} kl {kl.item():.4f} greedy_agree {agree:.4f}")
+    loads.close()
+    for p in frozen:
+        p.requires_grad_(True)
 
 
 def stage_loss(name: str, model: DemoModel, ids: torch.Tensor, captured) -> tuple[torch.Tensor, dict]:
@@ -448,7 +508,7 @@ def main(argv: list[str] | None = None) -> Path:
     model = DemoModel(demo_config(len(tokenizer), args.top_k))
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters (MTP layer included)")
     gen = torch.Generator().manual_seed(args.seed)
-    for stage in ("dense", "warmup", "sparse"):
+    for stage in ("dense", "warmup", "sparse", "distill"):
         run_stage(stage, model, train, sched, gen, log)
     summary = {"seed": args.seed, "threads": args.threads, "schedule": asdict(sched), "top_k": args.top_k,
                "train_tokens": train.numel(), "validation_tokens": validation.numel(),

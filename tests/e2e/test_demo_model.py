@@ -37,7 +37,7 @@ TOP_K = 64
 # clone trains without ../shared/data.
 DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare_head.txt"
 QUICK = ["--data", str(DATA), "--dense-steps", "3", "--long-steps", "1", "--warmup-steps", "2",
-         "--sparse-steps", "2",
+         "--sparse-steps", "2", "--distill-steps", "2",
          "--seq-len", "64", "--batch-size", "2", "--long-len", "96", "--long-batch-size", "1",
          "--sparse-len", "80", "--sparse-batch-size", "1", "--top-k", str(TOP_K), "--threads", "1"]
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
