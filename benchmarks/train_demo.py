@@ -323,10 +323,9 @@ def model_params(model: DemoModel) -> list[nn.Parameter]:
 
 def run_stage(name: str, model: DemoModel, tokens, sched: Schedule, gen, log) -> None:
     """One training stage (see the module docstring); logs a line every 10 steps."""
-    steps = {"dense": sched.dense_steps, "warmup": sched.warmup_steps, "sparse": sched.sparse_steps,
-             "distill": sched.distill_steps}[name]
     if name == "distill":
         return distill_stage(model, tokens, sched, gen, log)
+    steps = {"dense": sched.dense_steps, "warmup": sched.warmup_steps, "sparse": sched.sparse_steps}[name]
     if name == "warmup":
         params, peak = [p for ix in model.indexers() for p in ix.parameters()], sched.indexer_lr
     else:
@@ -364,11 +363,11 @@ def run_stage(name: str, model: DemoModel, tokens, sched: Schedule, gen, log) ->
 
 def distill_stage(model: DemoModel, tokens, sched: Schedule, gen, log) -> None:
     """Stage 4: the main model frozen (its routers too), only the MTP layer trains (its indexer
-    stays as stage 3 left it), by the cross-entropy of its prediction of ``x_{t+2}`` against the
-    main model's own distribution at ``t + 1`` (self-distillation, as EAGLE / Medusa-2 train draft
-    heads): a draft is accepted when it agrees with the target, so the target's predictions are the
-    labels that matter, not the corpus's. Sparse attention, as served. Logs the KL and how often
-    the two greedy tokens agree."""
+    stays as stage 3 left it), by ``KL(p_main || p_mtp)``: the main model's own distribution of
+    ``x_{t+2}`` (its prediction at ``t + 1``) against the MTP layer's (self-distillation, as EAGLE
+    and Medusa-2 train draft heads). A draft is accepted when it agrees with the target, so the
+    target's predictions are the labels that matter, not the corpus's. Sparse attention, as
+    served. Logs the KL and how often the two greedy tokens agree."""
     params = model.mtp_params()
     frozen = [p for p in model.main.parameters() if p.requires_grad]
     for p in frozen:   # the shared embedding and head too: no gradients computed for them
