@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -145,6 +146,22 @@ def compile_stats() -> dict[str, int]:
             "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
+def own_code(method: Callable) -> Callable:
+    """``method`` (a bound method) over a copy of its function's code object.
+
+    Dynamo keeps compiled graphs on the code object, so every instance of a model class shares
+    them; without guards (:class:`CompiledForward`), a second model of the same class but other
+    shapes in the same process (a swapped-in model, a second engine) would run the first one's
+    graph and fail on, or silently misread, its parameters. A code object of its own gives each
+    compiled forward its own cache entry.
+    """
+    func = method.__func__
+    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                               func.__closure__)
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(clone, method.__self__)
+
+
 class CompiledForward:
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]`` of ``model`` through torch.compile.
 
@@ -161,7 +178,7 @@ class CompiledForward:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
         # No guards kept (vLLM's dispatcher): the graph depends only on the parameters' shapes and on
         # T, which is symbolic, so re-checking ~1k guards every step would only cost time.
-        self._compiled = torch.compile(forward, fullgraph=True, dynamic=False,
+        self._compiled = torch.compile(own_code(forward), fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         self.compiled = False
         self.compile_s = 0.0

@@ -24,7 +24,7 @@ from tiny_checkpoints import write_tiny_llama  # noqa: E402
 from shardserve.cluster.config import EngineArgs  # noqa: E402
 from shardserve.cluster.engine.request import SamplingParams  # noqa: E402
 from shardserve.cluster.llm import LLM  # noqa: E402
-from shardserve.workers.compilation import compile_stats, use_compile  # noqa: E402
+from shardserve.workers.compilation import CompiledForward, compile_stats, use_compile  # noqa: E402
 
 THREADS = 1
 PROMPTS = [[0, 5, 9, 17, 33, 2], [0, 44], [0] + list(range(3, 40)), [0, 7, 7, 7, 8]]
@@ -151,3 +151,27 @@ def test_second_start_up_reads_the_compile_cache(engines, llama):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "compiled forward" in out.stderr and "loaded from the compile cache" in out.stderr, out.stderr[-2000:]
     assert "generated and built" not in out.stderr
+
+
+class _Toy(torch.nn.Module):
+    """``forward(input_ids [T], positions [T]) -> [T, width]``: an embedding and a linear layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(input_ids)) + positions[:, None]
+
+
+@torch.inference_mode()
+def test_two_models_of_one_class_and_other_shapes_compile_apart():
+    """Without guards, a second model of the same class in the same process (another engine, a
+    swapped-in model) must not run the first one's graph: each compiled forward has its own."""
+    ids, positions = torch.tensor([1, 2, 3]), torch.tensor([0.0, 1.0, 2.0])
+    for width in (8, 12):
+        toy = _Toy(width)
+        compiled = CompiledForward(toy, toy.forward)
+        torch.testing.assert_close(compiled(ids, positions), toy(ids, positions))
+        torch.testing.assert_close(compiled(ids[:1], positions[:1]), toy(ids[:1], positions[:1]))
