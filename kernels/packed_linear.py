@@ -11,6 +11,12 @@ float32 activations the same kernels take a slow path, 10-30x slower on this mac
 - int8: ``torch.ops.aten._weight_int8pack_mm``: ``w = q * scale`` with int8 ``q`` and one scale per
   output row.
 
+Both grow about linearly with the input rows ``M`` (``benchmarks/bench_packed_linear.py``), while a
+dense bfloat16 GEMM (oneDNN, AMX tiles where the CPU has them) barely grows: from ~8-16 rows on an
+AMX Xeon the dense matmul on a dequantized copy of the weight is 1.5-10x faster (prefill chunks,
+verify steps, large decode batches). :func:`packed_matmul` therefore takes an optional dense copy and
+a row threshold; :func:`dense_rows_auto` measures whether the copy pays on this CPU.
+
 Each op sits beside its torch reference (``*_ref``: dequantize to float32, then a float32
 matmul), the oracle of ``tests/kernels/test_packed_linear.py``. The packed int4 layout is the CPU
 kernel's own (``_convert_weight_to_int4pack_for_cpu``), so these ops run on CPU tensors only; on
@@ -19,7 +25,11 @@ other devices weights are dequantized at load time instead.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
+import torch.nn.functional as F
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)   # what _weight_int4pack_mm_for_cpu accepts
 
@@ -126,3 +136,84 @@ def _as_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if x.dtype != dtype:
         x = x.to(dtype)
     return x if x.is_contiguous() else x.contiguous()
+
+
+def packed_matmul(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
+                  dense_rows: int) -> torch.Tensor:
+    """``x @ W^T`` for a packed weight, on its dense copy when ``x`` has at least ``dense_rows`` rows.
+
+    Args:
+        x: ``[M, K]``. weights: int4 ``[packed, scale_zeros]`` or int8 ``[qweight, scales]`` (the
+            layouts above), then, when ``dense_rows > 0``, the dense ``[N, K]`` copy in the compute dtype.
+        kind: ``"int4"`` or ``"int8"``. group_size: int4 input columns per group.
+        dense_rows: smallest ``M`` that runs on the dense copy; 0 = always packed.
+
+    Returns:
+        ``[M, N]`` in the compute dtype.
+
+    While Dynamo traces (``--compile``) this is one opaque op (``shardserve::packed_matmul``), so
+    the row test is no guard on the symbolic token count (no recompilation at the threshold).
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.shardserve.packed_matmul(x, weights, kind, group_size, dense_rows)
+    return _packed_matmul_eager(x, weights, kind, group_size, dense_rows)
+
+
+def _packed_matmul_eager(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
+                         dense_rows: int) -> torch.Tensor:
+    if dense_rows and x.shape[0] >= dense_rows:
+        return F.linear(_as_input(x, weights[2].dtype), weights[2])
+    if kind == "int4":
+        return int4_linear(x, weights[0], weights[1], group_size)
+    return int8_linear(x, weights[0], weights[1])
+
+
+@torch.library.custom_op("shardserve::packed_matmul", mutates_args=())
+def _packed_matmul_op(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
+                      dense_rows: int) -> torch.Tensor:
+    return _packed_matmul_eager(x, weights, kind, group_size, dense_rows)
+
+
+@_packed_matmul_op.register_fake
+def _packed_matmul_fake(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
+                        dense_rows: int) -> torch.Tensor:
+    num_out = weights[0].shape[0] if kind == "int8" else weights[1].shape[1]
+    return x.new_empty((x.shape[0], num_out), dtype=weights[1].dtype)
+
+
+DENSE_ROWS = 16   # the threshold dense_rows_auto gives where the dense copy pays
+
+
+@functools.cache
+def dense_rows_auto(dtype: torch.dtype) -> int:
+    """:data:`DENSE_ROWS` when a dense ``dtype`` matmul of that many rows clearly beats (by 20 %)
+    the packed int4 kernel on this CPU (with the process's torch threads), else 0 (keep no dense
+    copies: CPUs without fast bfloat16 GEMMs, e.g. no AMX / AVX-512-BF16, where the copies would
+    triple the weights' memory for nothing; and a float32 compute dtype, whose copies would undo
+    what ``--quantization`` was asked to save). Measured once per process on a ``[2048, 1024]``
+    weight, median of 7 calls each after 3 warm-up calls (~30 ms). On an AMX Xeon the dense matmul
+    takes 0.37x the packed one at 16 rows but 0.75x at 8 (too close to call the same way every
+    start), so the threshold is fixed at 16: runs on one machine take the same path for the same batch."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    num_out, num_in = 2048, 1024
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (num_out, num_in), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(num_out, num_in // 32, generator=generator) * 0.01
+    packed, scale_zeros = pack_int4(codes, scales, torch.zeros_like(scales), dtype)
+    dense = torch.randn(num_out, num_in, generator=generator).to(dtype)
+    x = torch.randn(DENSE_ROWS, num_in, generator=generator).to(dtype)
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(7):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[len(times) // 2] * 1e3
+
+    packed_ms = median_ms(lambda: int4_linear(x, packed, scale_zeros, 32))
+    dense_ms = median_ms(lambda: F.linear(x, dense))
+    return DENSE_ROWS if dense_ms < 0.8 * packed_ms else 0

@@ -23,10 +23,17 @@ packed weights when most of a GGUF file's matrix weights are Q4_0 / Q4_1 / Q8_0,
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
+
+from shardserve.kernels.packed_linear import dense_rows_auto
+
+logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -154,11 +161,14 @@ class WeightFormat:
         dtype: compute dtype (activations, scales of the packed kernels).
         keep_gguf: keep GGUF Q4_0/Q4_1/Q8_0 tensors in integer form instead of dequantizing them.
         quantize: ``"int4"`` / ``"int8"`` to quantize float weights at load time, or None.
+        dense_rows: packed weights also keep a dense copy in ``dtype`` for matmuls of at least this
+            many input rows (``--packed-dense-rows``, :func:`kernels.packed_linear.packed_matmul`); 0 = none.
     """
 
     dtype: torch.dtype
     keep_gguf: bool = True
     quantize: str | None = None
+    dense_rows: int = 0
 
     def integer_kind(self, quant_type: str | None, shape: tuple[int, ...], embedding: bool = False) -> str | None:
         """The kind of integer form (``"int4"`` / ``"int8"``) a checkpoint tensor gets, or None to load it as
@@ -187,14 +197,51 @@ class WeightFormat:
         return quantize_int8(tensor.load()) if kind == "int8" else quantize_int4(tensor.load())
 
 
-def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool) -> WeightFormat | None:
+DENSE_COPY_SHARE = 0.25   # of the host's available memory that ``--packed-dense-rows auto`` may spend on copies
+
+
+def dense_copy_bytes(ckpt, dtype: torch.dtype) -> int:
+    """Bytes that dense ``dtype`` copies of every matrix of ``ckpt`` (a ``workers.checkpoint.Checkpoint``)
+    would take, from tensor shapes only: an upper bound on what ``--packed-dense-rows`` adds to the
+    whole replica (every TP rank's share together; norms and biases are 1-D and never copied)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * itemsize for shape in (ckpt.get(name).shape for name in ckpt.names())
+               if len(shape) == 2)
+
+
+def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool, packed_dense_rows: str = "0",
+                      dense_bytes: int = 0) -> WeightFormat | None:
     """The :class:`WeightFormat` of a run, or None for plain dense weights.
 
     A GGUF file keeps its Q4_0/Q4_1/Q8_0 tensors packed when computing in bfloat16 (the kernels'
     fast path; float32 is the exact dequantized path, float16 runs them slowly on CPU);
-    ``--quantization`` packs float weights in whatever dtype was asked for."""
+    ``--quantization`` packs float weights in whatever dtype was asked for. ``packed_dense_rows``
+    (``--packed-dense-rows``): a row count as text (``"0"`` = no dense copies) or ``"auto"``:
+    :func:`kernels.packed_linear.dense_rows_auto` (measured on this CPU), and none when the copies
+    (``dense_bytes``, :func:`dense_copy_bytes`) would take more than :data:`DENSE_COPY_SHARE` of the
+    host's available memory: they roughly triple a Q4 model's weights, which a large model on a small
+    machine cannot afford (a row count asked for explicitly is kept)."""
+    if quantization == "none" and not (is_gguf and dtype == torch.bfloat16):
+        return None
+    if packed_dense_rows != "auto":
+        dense_rows = int(packed_dense_rows)
+    elif dense_bytes > DENSE_COPY_SHARE * psutil.virtual_memory().available:
+        logger.info("--packed-dense-rows auto: no dense copies (%.1f GiB would exceed %d%% of the host's available "
+                    "memory)", dense_bytes / 2**30, round(100 * DENSE_COPY_SHARE))
+        dense_rows = 0
+    else:
+        dense_rows = dense_rows_auto(dtype)
     if quantization != "none":
-        return WeightFormat(dtype, keep_gguf=False, quantize=quantization)
-    if is_gguf and dtype == torch.bfloat16:
-        return WeightFormat(dtype)
-    return None
+        return WeightFormat(dtype, keep_gguf=False, quantize=quantization, dense_rows=dense_rows)
+    return WeightFormat(dtype, dense_rows=dense_rows)
+
+
+def check_packed_dense_rows(value: str) -> str:
+    """``value`` when it is a valid ``--packed-dense-rows`` (``auto`` or an integer >= 0).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if value != "auto" and not (value.isdigit() and int(value) >= 0):
+        raise ValueError(f"--packed-dense-rows must be auto or an integer >= 0 (0 = no dense copies), got {value!r}")
+    return value

@@ -227,7 +227,7 @@ def _stage_packed(model: nn.Module, view: Checkpoint, recorder: ReadRecorder, ol
                                   f"packed {packed.kind} weight in place (another quantization type or group "
                                   f"size); restart the replica to load it")
         staged.changed |= changed
-        staged.updates.extend(zip(packed.tensors(), PackedWeight(merged, packed.dtype).tensors()))
+        staged.updates.extend(zip(packed.tensors(), PackedWeight(merged, packed.dtype, packed.dense_rows).tensors()))
 
 
 @torch.no_grad()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.kernels.packed_linear import (int4_linear, int4_linear_ref, int4_supported, int8_linear,
-                                              int8_linear_ref, int8_supported, pack_int4)
-from shardserve.workers.layers.quantized import PackedWeight
+from shardserve.kernels.packed_linear import (DENSE_ROWS, dense_rows_auto, int4_linear, int4_linear_ref, int4_supported,
+                                              int8_linear, int8_linear_ref, int8_supported, pack_int4)
+from shardserve.workers.layers.quantized import PackedWeight, packed_nbytes
 from shardserve.workers.quantization import decode_gguf, quantize_int4, quantize_int8
 
 BF16_U = 2.0 ** -8   # unit roundoff of bfloat16 (8 significand bits): |round(v) - v| <= u |v|
@@ -121,3 +121,49 @@ def test_kernel_shape_rules():
     assert int8_supported(7, 48) and not int8_supported(16, 40)
     with pytest.raises(ValueError, match="N % 16"):
         pack_int4(torch.zeros(40, 64, dtype=torch.uint8), torch.ones(40, 2), torch.zeros(40, 2), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_dense_copy_takes_inputs_from_its_row_count(kind):
+    """``--packed-dense-rows``: inputs below the threshold run the packed kernel (bit for bit the
+    weight without a copy), inputs from it the dense bf16 copy, which holds the weight the kernel
+    computes with (scales and zeros rounded to bf16) and stays within the same error bound of the
+    float32 matmul; the copy's bytes are what the plan counts."""
+    weight = torch.randn(48, 160) * 0.05
+    qw = quantize_int4(weight) if kind == "int4" else quantize_int8(weight)
+    plain, with_copy = PackedWeight(qw, torch.bfloat16), PackedWeight(qw, torch.bfloat16, dense_rows=4)
+    assert plain.dense is None and with_copy.dense.shape == (48, 160) and with_copy.dense.dtype == torch.bfloat16
+    # bf16 scales and zeros (the kernel's), then the weight itself rounded to bf16
+    off = (with_copy.dense.float() - qw.dequantize()).abs()
+    assert (off <= 1.01 * (packed_weight_error(qw) + BF16_U * qw.dequantize().abs()) + 1e-9).all()
+    assert with_copy.nbytes == plain.nbytes + 48 * 160 * 2 == packed_nbytes(kind, (48, 160), torch.bfloat16, dense=True)
+    reference = qw.dequantize()
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 160).bfloat16()
+        actual = with_copy.matmul(x)
+        if rows < 4:
+            assert torch.equal(actual, plain.matmul(x))
+        else:
+            assert torch.equal(actual, torch.nn.functional.linear(x, with_copy.dense))
+        bound = error_bound(x.float(), reference, packed_weight_error(qw))
+        assert ((actual.float() - x.float() @ reference.t()).abs() <= bound).all(), rows
+
+
+def test_the_row_test_is_no_recompilation_under_torch_compile():
+    """Under ``torch.compile`` (dynamic token count) the packed matmul is one opaque op: crossing
+    the dense-copy threshold recompiles nothing, and the compiled results equal eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    weight = PackedWeight(quantize_int4(torch.randn(64, 96) * 0.05), torch.bfloat16, dense_rows=8)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x: torch.relu(weight.matmul(x)), backend=counter, dynamic=False, fullgraph=True)
+    for rows in (2, 5, 8, 13, 3, 32):
+        x = torch.randn(rows, 96).bfloat16()
+        torch._dynamo.mark_dynamic(x, 0)   # as the compiled forward marks its token count
+        assert torch.equal(compiled(x), torch.relu(weight.matmul(x))), rows
+    assert counter.frame_count == 1
+
+
+def test_dense_rows_auto_keeps_copies_only_for_low_precision_compute():
+    assert dense_rows_auto(torch.float32) == 0
+    assert dense_rows_auto(torch.bfloat16) in (0, DENSE_ROWS)   # measured on this CPU

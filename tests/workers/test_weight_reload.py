@@ -188,15 +188,19 @@ def test_fp8_checkpoint_reload_equals_a_fresh_load(tmp_path):
     assert after == greedy_ids(LLM(EngineArgs(**args), progress=False)) and after != before
 
 
-def test_packed_weights_reload_equals_a_fresh_load(tmp_path):
+@pytest.mark.parametrize("dense_rows", ["0", "2"])
+def test_packed_weights_reload_equals_a_fresh_load(tmp_path, dense_rows):
     """``--quantization int8`` keeps the linear weights packed (no float parameter left): a changed
     tensor is read again through its layer's loader, packed again and copied into the same packed
-    storage; the result equals a fresh load of the changed files."""
+    storage (with ``--packed-dense-rows``, its dense copy too: prefill runs on it); the result
+    equals a fresh load of the changed files."""
     write_tiny_llama(tmp_path, seed=5, tokenizer=True, vocab_size=128)   # PROMPT ids < 128
-    args = EngineArgs(model=str(tmp_path), block_size=4, num_blocks=64, quantization="int8")
+    args = EngineArgs(model=str(tmp_path), block_size=4, num_blocks=64, quantization="int8",
+                      packed_dense_rows=dense_rows)
     llm = LLM(args, progress=False)
     packed = {name: m.packed for name, m in llm.runner.model.named_modules() if getattr(m, "packed", None)}
     assert "model.layers.1.mlp.down_proj" in packed
+    assert all((p.dense is not None) == (dense_rows != "0") for p in packed.values())
     before = {name: [(t.data_ptr(), t.clone()) for t in p.tensors()] for name, p in packed.items()}
     rewrite_tensor(tmp_path, "model.layers.1.mlp.down_proj.weight", lambda t: t * 1.5 + 0.01)
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.kernels.packed_linear import (int4_linear, int4_supported, int8_linear, int8_supported,
-                                              pack_int4)
+from shardserve.kernels.packed_linear import int4_supported, int8_supported, pack_int4, packed_matmul
 from shardserve.workers.quantization import GROUP_SIZE, QuantizedWeight, WeightFormat
 
 
@@ -26,21 +25,30 @@ class PackedWeight:
     Args:
         weight: the integer form (int4 group-wise or int8 per row).
         dtype: compute dtype (the kernels' scales are stored in it).
+        dense_rows: also keep the weight dense (``[N, K]`` in ``dtype``) and run inputs of at least
+            this many rows on it (:func:`kernels.packed_linear.packed_matmul`); 0 = packed only.
 
     Attributes:
         kind: ``"int4"`` or ``"int8"``. shape: ``(N, K)``.
         row_scales: int8 only: ``[N]`` float32 scales, for embedding lookups.
+        dense: the dense copy, or None.
     """
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.kind, self.shape, self.dtype = weight.kind, weight.shape, dtype
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, dense_rows: int = 0) -> None:
+        self.kind, self.shape, self.dtype, self.dense_rows = weight.kind, weight.shape, dtype, dense_rows
+        self.group_size = weight.group_size
         if weight.kind == "int4":
             self.packed, self.scale_zeros = pack_int4(weight.codes, weight.scales, weight.zeros, dtype)
-            self.group_size = weight.group_size
+            self._kernel = [self.packed, self.scale_zeros]
         else:
             self.qweight = weight.codes.contiguous()
             self.row_scales = weight.scales.float().contiguous()
             self.scales = self.row_scales.to(dtype)
+            self._kernel = [self.qweight, self.scales]
+        # the values the packed kernel computes with: scales (and zeros) rounded to the compute dtype
+        self.dense = dense_weight(weight, dtype) if dense_rows else None
+        if self.dense is not None:
+            self._kernel.append(self.dense)
 
     @staticmethod
     def supported(weight: QuantizedWeight) -> bool:
@@ -51,10 +59,8 @@ class PackedWeight:
         return int8_supported(num_out, num_in)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] -> x @ W^T [M, N]`` in the compute dtype."""
-        if self.kind == "int4":
-            return int4_linear(x, self.packed, self.scale_zeros, self.group_size)
-        return int8_linear(x, self.qweight, self.scales)
+        """``x [M, K] -> x @ W^T [M, N]`` in the compute dtype (the dense copy from ``dense_rows`` rows)."""
+        return packed_matmul(x, self._kernel, self.kind, self.group_size, self.dense_rows)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids [T]`` of W (int8 only: embeddings), ``[T, K]`` in the compute dtype."""
@@ -62,7 +68,8 @@ class PackedWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this weight keeps (a weight reload copies new contents into them in place)."""
-        return [self.packed, self.scale_zeros] if self.kind == "int4" else [self.qweight, self.row_scales, self.scales]
+        dense = [] if self.dense is None else [self.dense]
+        return ([self.packed, self.scale_zeros] if self.kind == "int4" else [self.qweight, self.row_scales, self.scales]) + dense
 
     def same_layout(self, weight: QuantizedWeight) -> bool:
         """Whether ``weight`` packs into tensors of exactly this weight's shapes."""
@@ -72,6 +79,14 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def dense_weight(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, K]`` in ``dtype``: the weight the packed kernel computes with, its scales and zeros
+    rounded to ``dtype`` first as the kernel stores them (the int8 kernel's scales likewise)."""
+    rounded = QuantizedWeight(weight.kind, weight.codes, weight.scales.to(dtype).float(),
+                              None if weight.zeros is None else weight.zeros.to(dtype).float(), weight.group_size)
+    return rounded.dequantize().to(dtype).contiguous()
 
 
 class PackStaging:
@@ -98,14 +113,17 @@ class PackStaging:
         return merged if merged is not None and PackedWeight.supported(merged) else None
 
 
-def packed_nbytes(kind: str, shape: tuple[int, int], dtype: torch.dtype, group_size: int = GROUP_SIZE) -> int:
+def packed_nbytes(kind: str, shape: tuple[int, int], dtype: torch.dtype, group_size: int = GROUP_SIZE,
+                  dense: bool = False) -> int:
     """Bytes a :class:`PackedWeight` of ``kind`` and shape ``[N, K]`` keeps (:attr:`PackedWeight.nbytes`,
     from the shapes alone): int4 ``[N, K / 2]`` uint8 codes + ``[K / group, N, 2]`` scales and zeros in
-    ``dtype``; int8 ``[N, K]`` codes + ``[N]`` float32 and ``[N]`` ``dtype`` scales."""
+    ``dtype``; int8 ``[N, K]`` codes + ``[N]`` float32 and ``[N]`` ``dtype`` scales; with ``dense``, the
+    ``[N, K]`` ``dtype`` copy on top."""
     num_out, num_in = shape
+    copy = num_out * num_in * dtype.itemsize if dense else 0
     if kind == "int4":
-        return num_out * num_in // 2 + num_in // group_size * num_out * 2 * dtype.itemsize
-    return num_out * num_in + num_out * (4 + dtype.itemsize)
+        return num_out * num_in // 2 + num_in // group_size * num_out * 2 * dtype.itemsize + copy
+    return num_out * num_in + num_out * (4 + dtype.itemsize) + copy
 
 
 def _packed_kind(model: nn.Module, name: str, module: nn.Module, ckpt, fmt: WeightFormat) -> str | None:
@@ -150,7 +168,7 @@ def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
             kind = _packed_kind(model, name, module, ckpt, fmt)
             if kind is not None:
                 weight.packed_kind = kind
-                weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype)
+                weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype, dense=fmt.dense_rows > 0)
 
 
 @torch.no_grad()
@@ -164,7 +182,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
         module.staging = None
         merged = staging.merged()
         if merged is not None:
-            module.set_packed(PackedWeight(merged, staging.fmt.dtype))
+            module.set_packed(PackedWeight(merged, staging.fmt.dtype, staging.fmt.dense_rows))
             continue
         if not staging.parts:       # a tied LM head: its embedding's loader staged the parts
             continue
