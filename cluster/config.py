@@ -9,6 +9,7 @@ from shardserve.cluster.dp_attention_args import check_dp_attention_args, check_
 from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.workers.device import DEVICES, DTYPES, check_utilization
 from shardserve.workers.model_source import DEFAULT_MODEL, is_gguf_model
+from shardserve.workers.quantization import check_packed_dense_rows
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")   # cluster/engine/spec_policy.py
@@ -60,6 +61,10 @@ class EngineArgs:
         enforce_eager: run decode steps eagerly on CUDA (no captured CUDA graphs).
         compile: ``off``, ``auto`` (where it was measured to pay: CPU ranks) or ``on``: the forward
             through ``torch.compile``, kernels cached under ``$SHARDSERVE_CACHE`` (``workers/compilation.py``).
+        packed_dense_rows: CPU packed weights also keep a dense copy for matmuls of at least this many
+            input rows: an integer as text, ``0`` = none (the default: the copies roughly triple a Q4
+            model's weight memory), or ``auto`` (16 where that pays on this CPU and fits in memory,
+            ``workers.quantization.weight_format_for``; ``kernels/packed_linear.py``).
         enable_dp_attention: data-parallel attention inside the replica (SGLang's name; issue 29): the
             ``tensor_parallel_size`` ranks form ``attention_dp_size`` attention groups, each running MLA and
             the DSA indexer over its own requests with its own KV and indexer caches, while the MoE experts
@@ -99,6 +104,7 @@ class EngineArgs:
     recovery_timeout: float = 300.0
     quantization: str = "none"
     compile: str = "off"
+    packed_dense_rows: str = "0"
     enable_dp_attention: bool = False
     attention_dp_size: int | None = None
     moe_a2a: str = "allgather"
@@ -144,6 +150,7 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        check_packed_dense_rows(str(self.packed_dense_rows))
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")
@@ -160,7 +167,8 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, max_num_seqs=self.group_budgets[0],
                             max_num_batched_tokens=self.group_budgets[1], max_model_len=self.max_model_len,
                             seed=self.seed, quantization=self.quantization, compile=self.compile,
-                            attention_dp_size=self.attention_groups, moe_a2a=self.moe_a2a)
+                            packed_dense_rows=str(self.packed_dense_rows), attention_dp_size=self.attention_groups,
+                            moe_a2a=self.moe_a2a)
 
     @property
     def attention_groups(self) -> int:

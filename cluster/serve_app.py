@@ -123,7 +123,8 @@ class ServeArgs:
         block_size, kv_cache_gib, num_blocks, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, seed, dsa, dsa_top_k, indexer_cache_dtype,
             dsa_sink, speculative_tokens, speculative_policy, device, dtype, gpu_memory_utilization, enforce_eager,
-            recovery_timeout, quantization, compile, enable_dp_attention, attention_dp_size, moe_a2a: engine
+            recovery_timeout, quantization, compile, packed_dense_rows, enable_dp_attention, attention_dp_size,
+            moe_a2a: engine
             settings (see EngineArgs). ``device="cuda"`` with
             ``gpus_per_worker=0`` reserves one GPU per worker.
         api_key: accepted API keys, comma-separated or a list (hidden from ``repr``; prefer a file);
@@ -191,6 +192,7 @@ class ServeArgs:
     recovery_timeout: float = 300.0
     quantization: str = "none"
     compile: str = "off"
+    packed_dense_rows: str = "0"
     enable_dp_attention: bool = False
     attention_dp_size: int | None = None
     moe_a2a: str = "allgather"
@@ -329,7 +331,8 @@ class ServeArgs:
                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                           enforce_eager=self.enforce_eager, recovery_timeout=self.recovery_timeout,
                           quantization=self.quantization, compile=self.compile,
-                          enable_dp_attention=self.enable_dp_attention, attention_dp_size=self.attention_dp_size,
+                          packed_dense_rows=self.packed_dense_rows, enable_dp_attention=self.enable_dp_attention,
+                          attention_dp_size=self.attention_dp_size,
                           moe_a2a=self.moe_a2a)
 
     def worker_gpus(self) -> float:

@@ -30,7 +30,7 @@ from shardserve.workers.messages import PLACEHOLDER_TOKEN, DataParallelPlan, Sam
 from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPlan, cache_bytes, check_plan,
                                      decode_graph_backend, plan_rank)
-from shardserve.workers.quantization import WeightFormat, weight_format_for
+from shardserve.workers.quantization import WeightFormat, dense_copy_bytes, weight_format_for
 from shardserve.workers.rejection_sampler import sample_with_drafts
 from shardserve.workers.sampler import sample_on_device, sampled_tokens
 from shardserve.workers.state_cache import StateCache
@@ -64,14 +64,17 @@ class RunnerConfig:
     draft_on_device: bool = False        # this rank also holds the MTP draft (counted in its plan)
     compile: str = "off"                 # "off", "auto" (where it pays: CPU ranks) or "on": torch.compile'd
                                          # forward (workers/compilation.py)
+    packed_dense_rows: str = "0"         # "auto" or a row count: dense copies of packed CPU weights (WeightFormat)
     attention_dp_size: int = 1           # attention groups of the replica (issue 29; 1 = plain TP): rank r is in
                                          # group r // (tp_size / attention_dp_size); MoE experts span every rank
     moe_a2a: str = "allgather"           # MoE token exchange across groups: "allgather" or "alltoall"
 
 
-def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[torch.dtype, WeightFormat | None]:
+def weight_format_of(ckpt, dtype: str, device: str, quantization: str,
+                     packed_dense_rows: str = "0") -> tuple[torch.dtype, WeightFormat | None]:
     """Compute dtype and weight format of a rank (``--dtype auto`` on CPU looks at the GGUF
-    file's types: :func:`workers.device.resolve_dtype`; packed weights are CPU-only).
+    file's types: :func:`workers.device.resolve_dtype`; packed weights are CPU-only, with dense
+    copies as ``packed_dense_rows`` says: :func:`workers.quantization.weight_format_for`).
 
     Raises:
         DeviceConfigError: ``--quantization`` on a CUDA rank.
@@ -80,7 +83,10 @@ def weight_format_of(ckpt, dtype: str, device: str, quantization: str) -> tuple[
     if quantization != "none" and device != "cpu":
         raise DeviceConfigError(f"--quantization {quantization} runs on CPU ranks only (this rank: {device})")
     resolved = resolve_dtype(dtype, device, ckpt.matrix_types() if is_gguf else None, quantization)
-    return resolved, weight_format_for(resolved, quantization, is_gguf) if device == "cpu" else None
+    if device != "cpu":
+        return resolved, None
+    dense_bytes = dense_copy_bytes(ckpt, resolved) if packed_dense_rows == "auto" else 0
+    return resolved, weight_format_for(resolved, quantization, is_gguf, packed_dense_rows, dense_bytes)
 
 
 def allocate_caches(layers, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> int:
@@ -167,7 +173,7 @@ class ModelRunner:
         self.dp_group = self._check_attention_dp(hf_config, config)
         self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
         self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
-                                                     config.quantization)
+                                                     config.quantization, config.packed_dense_rows)
         self.block_size = config.block_size
         model_len = model_context_length(hf_config)
         self.max_model_len = min(config.max_model_len or model_len, model_len)

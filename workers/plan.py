@@ -400,7 +400,7 @@ class ReplicaPlan:
 
 
 def plan_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torch.dtype,
-                 tensor_split: list[float] | None = None, quantization: str = "none",
+                 tensor_split: list[float] | None = None, weight_format=None,
                  speculative_tokens: int = 0) -> ReplicaPlan:
     """Plan every rank of a replica by building each rank's model on the meta device.
 
@@ -410,18 +410,15 @@ def plan_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torch.d
         config: the replica's settings (``device_bytes``: one rank's device).
         dtype: the resolved compute dtype.
         tensor_split: uneven per-rank shares (None: even).
-        quantization: ``--quantization`` (CPU packing).
+        weight_format: CPU ranks' packing (:func:`workers.quantization.weight_format_for`), or None.
         speculative_tokens: with MTP drafts, rank 0 holds the draft model and its caches.
 
     Raises:
         ValueError: an unsupported architecture, a split the model cannot take, or no MTP layer.
     """
-    from shardserve.workers.checkpoint import GGUFCheckpoint
-    from shardserve.workers.quantization import weight_format_for
     from shardserve.workers.weight_loader import build_meta_model
 
-    fmt = (weight_format_for(dtype, quantization, isinstance(ckpt, GGUFCheckpoint))
-           if config.device == "cpu" else None)
+    fmt = weight_format if config.device == "cpu" else None
     ranks = []
     for rank in range(config.tensor_parallel_size):
         with as_rank(rank, config.tensor_parallel_size):

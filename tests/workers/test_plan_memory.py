@@ -95,19 +95,25 @@ def test_plan_equals_what_the_runner_holds(checkpoints, arch, config):
 
 
 def test_plan_of_packed_gguf_and_tensor_parallel_ranks(tiny_gguf, checkpoints):  # noqa: F811
-    """Packed int4 / int8 layers planned from GGUF metadata, and every rank of a TP=2 split,
-    equal the models the loader builds."""
+    """Packed int4 / int8 layers planned from GGUF metadata (with and without their dense copies),
+    and every rank of a TP=2 split, equal the models the loader builds."""
     from transformers import LlamaConfig
 
     from shardserve.workers.quantization import WeightFormat
 
-    config, fmt = LlamaConfig(**TINY), WeightFormat(torch.bfloat16)
-    planned = weight_bytes_by_format(build_meta_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16,
-                                                      weight_format=fmt))
-    model, weight_bytes = build_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16, progress=False,
-                                      weight_format=fmt)
-    assert planned == weight_bytes_by_format(model) and set(planned) == {"int4", "int8", "bfloat16"}
-    assert sum(planned.values()) == weight_bytes
+    config, totals = LlamaConfig(**TINY), []
+    for dense_rows in (0, 16):
+        fmt = WeightFormat(torch.bfloat16, dense_rows=dense_rows)
+        planned = weight_bytes_by_format(build_meta_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16,
+                                                          weight_format=fmt))
+        model, weight_bytes = build_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16, progress=False,
+                                          weight_format=fmt)
+        assert planned == weight_bytes_by_format(model) and set(planned) == {"int4", "int8", "bfloat16"}
+        assert sum(planned.values()) == weight_bytes
+        totals.append(weight_bytes)
+    dense = sum(m.packed.dense.numel() * 2 for m in model.modules() if getattr(m, "packed", None) is not None
+                and m is not model.lm_head)   # the tied head shares its embedding's packed weight
+    assert totals[1] - totals[0] == dense > 0
     with StorageTracker(staging=STAGING) as tracker:   # the GGUF path dequantized (a GPU rank's): no transient
         _, weight_bytes = build_model(config, open_checkpoint(tiny_gguf), dtype=torch.bfloat16, progress=False)
     assert tracker.peak == weight_bytes
