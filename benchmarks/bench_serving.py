@@ -449,8 +449,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama",
-                        help="subset of tp1,tp1-1t,tp2,llama,dp2-least,dp2-prefix (tp1-1t: TP=1 on one torch thread, "
-                             "--cpus-per-worker 1, leaving the other cores to the serving processes; "
+                        help="subset of tp1,tp1-1t,tp1-dense,tp2,llama,dp2-least,dp2-prefix (tp1-1t: TP=1 on one "
+                             "torch thread, --cpus-per-worker 1, leaving the other cores to the serving processes; "
+                             "tp1-dense: TP=1 with --packed-dense-rows auto; "
                              "dp2-*: TP=1 x 2 replicas, --routing "
                              "least-loaded / prefix-aware)")
     parser.add_argument("--workload", choices=["distinct", "shared-prefix"], default="distinct",
@@ -492,12 +493,14 @@ def main() -> None:
           f"(numbers from a shared machine are noisy)\n{HEADER}", flush=True)
     results: list[RunResult] = []
     dispatch = dict(zip((1, 2), args.dispatch.split(",")))
-    for tp, name, threads in ((1, "tp1", []), (1, "tp1-1t", ["--cpus-per-worker", "1"]), (2, "tp2", [])):
+    variants = ((1, "tp1", [], ""), (1, "tp1-1t", ["--cpus-per-worker", "1"], ", 1 torch thread"),
+                (1, "tp1-dense", ["--packed-dense-rows", "auto"], ", dense copies"), (2, "tp2", [], ""))
+    for tp, name, flags, label in variants:
         if name in servers:
-            extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *threads, *args.shardserve_args.split()]
+            extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *flags, *args.shardserve_args.split()]
             server = shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_{name}.log", extra,
                                        args.kv_cache_gib, args.api_key)
-            server.name += ", 1 torch thread" if threads else ""
+            server.name += label
             measure_server(server, concurrencies, args, results)
     for routing in ("least", "prefix"):
         if f"dp2-{routing}" in servers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -153,19 +155,31 @@ def test_logprobs_are_log_softmax_of_the_model(smollm2_llm, smollm2_hf, prompt_i
 DEFAULT_PATH_LOGIT_BOUND = 2.0   # measured up to 1.2 on these prompts (README: "CPU speed and accuracy")
 
 
+def bfloat16_ulp(value: float) -> float:
+    """The spacing of bfloat16 numbers at ``value`` (8 significant bits): 0.125 for logits in [16, 32)."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
 def test_default_path_is_packed_bfloat16_and_close_to_transformers(smollm2_llm_packed, smollm2_hf, prompt_ids,
                                                                    smollm2_files):
     """The CPU default keeps the Q4_1 / Q8_0 weights packed and computes in bfloat16: not token for
     token equal to transformers' float32 over long generations (the tests above run ``dtype="float32"``),
-    but the same next token after every parity prompt, with logits within bfloat16 noise."""
+    but the same next token after every parity prompt, with logits within bfloat16 noise. The logits
+    themselves are bfloat16 (both matmul paths write it), so where transformers' top two are closer
+    than two bfloat16 steps (0.25 at ~25; SmolLM2's first answer token to both chat prompts is such a
+    tie: 0.08 and 0.01 apart) either is the same answer (vLLM's ``check_logprobs_close`` rule)."""
     runner = smollm2_llm_packed.runner
     layer = runner.model.model.layers[0]
     assert runner.dtype == torch.bfloat16 and layer.mlp.gate_up_proj.packed.kind == "int4"
     assert runner.model.lm_head.packed.kind == "int8"
-    assert runner.weight_bytes < 1.3 * smollm2_files.path.stat().st_size
+    copies = {id(m.packed.dense): m.packed.dense.nbytes for m in runner.model.modules()
+              if getattr(getattr(m, "packed", None), "dense", None) is not None}   # --packed-dense-rows auto
+    assert runner.weight_bytes - sum(copies.values()) < 1.3 * smollm2_files.path.stat().st_size
     for i, ids in enumerate(prompt_ids):
         ours = smollm2_llm_packed.core.prompt_logits(ids)
         with torch.no_grad():
             ref = smollm2_hf(torch.tensor([ids])).logits[0, -1].float()
         diff = (ours - ref).abs().max().item()
-        assert int(ours.argmax()) == int(ref.argmax()) and diff < DEFAULT_PATH_LOGIT_BOUND, f"prompt {i}: {diff}"
+        chosen, best = ref[int(ours.argmax())].item(), ref.max().item()
+        assert chosen >= best - 2 * bfloat16_ulp(best), f"prompt {i}: our token is {best - chosen:.3f} below the top"
+        assert diff < DEFAULT_PATH_LOGIT_BOUND, f"prompt {i}: {diff}"
