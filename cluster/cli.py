@@ -98,7 +98,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packed-dense-rows", type=_packed_dense_rows, default="0",
                         help="CPU packed int4/int8 weights (Q4/Q8 GGUF, --quantization) also keep a dense copy "
                              "and run matmuls of at least N input rows (prefill, verify, large decode batches) on "
-                             "it: faster prefill and large batches for ~3x the weights' memory; 0 = never (the "
+                             "it: faster prefill and large batches for ~4x the weights' memory; 0 = never (the "
                              "default); auto = 16 where a dense 16-row matmul beats the packed kernel on this CPU "
                              "(bfloat16: AMX / AVX-512-BF16) and the copies fit in a quarter of the available "
                              "memory, else 0")

@@ -62,7 +62,7 @@ class EngineArgs:
         compile: ``off``, ``auto`` (where it was measured to pay: CPU ranks) or ``on``: the forward
             through ``torch.compile``, kernels cached under ``$SHARDSERVE_CACHE`` (``workers/compilation.py``).
         packed_dense_rows: CPU packed weights also keep a dense copy for matmuls of at least this many
-            input rows: an integer as text, ``0`` = none (the default: the copies roughly triple a Q4
+            input rows: an integer as text, ``0`` = none (the default: the copies roughly quadruple a Q4
             model's weight memory), or ``auto`` (16 where that pays on this CPU and fits in memory,
             ``workers.quantization.weight_format_for``; ``kernels/packed_linear.py``).
         enable_dp_attention: data-parallel attention inside the replica (SGLang's name; issue 29): the

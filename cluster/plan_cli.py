@@ -117,8 +117,10 @@ def build_plan(ns: argparse.Namespace, args):
         plan = plan_replica(hf_config, ckpt, config, dtype, args.tensor_split, fmt, args.speculative_tokens)
     source = "config.json only" if not any(Path(files.path).glob("*.safetensors")) and not files.is_gguf else "checkpoint"
     layout = f" (DP attention: {groups} groups, --moe-a2a {args.moe_a2a})" if args.enable_dp_attention else ""
+    copies = (f", dense {str(dtype).removeprefix('torch.')} copies for matmuls of >= {fmt.dense_rows} rows"
+              if fmt is not None and fmt.dense_rows else "")
     plan.notes.append(f"{files.name} ({type(hf_config).__name__.removesuffix('Config')}, {source}), "
-                      f"TP={args.tensor_parallel_size}{layout}, {str(dtype).removeprefix('torch.')}, {device}")
+                      f"TP={args.tensor_parallel_size}{layout}, {str(dtype).removeprefix('torch.')}{copies}, {device}")
     return plan
 
 

@@ -219,7 +219,7 @@ def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool, pack
     (``--packed-dense-rows``): a row count as text (``"0"`` = no dense copies) or ``"auto"``:
     :func:`kernels.packed_linear.dense_rows_auto` (measured on this CPU), and none when the copies
     (``dense_bytes``, :func:`dense_copy_bytes`) would take more than :data:`DENSE_COPY_SHARE` of the
-    host's available memory: they roughly triple a Q4 model's weights, which a large model on a small
+    host's available memory: they roughly quadruple a Q4 model's weights, which a large model on a small
     machine cannot afford (a row count asked for explicitly is kept)."""
     if quantization == "none" and not (is_gguf and dtype == torch.bfloat16):
         return None
@@ -231,6 +231,9 @@ def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool, pack
         dense_rows = 0
     else:
         dense_rows = dense_rows_auto(dtype)
+        logger.info("--packed-dense-rows auto: %s", f"dense copies for matmuls of >= {dense_rows} rows" if dense_rows
+                    else f"no dense copies (a {str(dtype).removeprefix('torch.')} matmul of 16 rows is not clearly "
+                         "faster than the packed kernel on this CPU)")
     if quantization != "none":
         return WeightFormat(dtype, keep_gguf=False, quantize=quantization, dense_rows=dense_rows)
     return WeightFormat(dtype, dense_rows=dense_rows)

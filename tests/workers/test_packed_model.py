@@ -124,7 +124,7 @@ def test_dtype_auto_rule():
 
 def test_dense_copies_auto_stay_within_the_hosts_memory(tiny_gguf):
     """``--packed-dense-rows auto`` keeps no copies that would take over a quarter of the host's
-    available memory (they roughly triple a Q4 model's weights); an explicit row count is kept."""
+    available memory (they roughly quadruple a Q4 model's weights); an explicit row count is kept."""
     import psutil
 
     from shardserve.kernels.packed_linear import dense_rows_auto

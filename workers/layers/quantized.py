@@ -151,7 +151,7 @@ def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
     """Before loading (on the meta-device model): let every packable layer of ``model`` in the
     compute dtype collect integer forms, and decide from ``ckpt``'s metadata which of them will
     be packed. The weight parameter of such a layer is marked ``packed_kind`` (and
-    ``packed_nbytes``): it stays on the meta device, never allocated, and is replaced by the packed
+    ``packed_nbytes``, of which ``dense_nbytes`` the dense copy): it stays on the meta device, never allocated, and is replaced by the packed
     weight after loading. Layers whose weight is read directly (``fp8_allowed = False``: MLA's
     absorbed ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head
     weights) stay as they are."""
@@ -169,6 +169,7 @@ def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
             if kind is not None:
                 weight.packed_kind = kind
                 weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype, dense=fmt.dense_rows > 0)
+                weight.dense_nbytes = weight.numel() * fmt.dtype.itemsize if fmt.dense_rows else 0
 
 
 @torch.no_grad()
