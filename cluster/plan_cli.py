@@ -86,7 +86,7 @@ def build_plan(ns: argparse.Namespace, args):
     from shardserve.workers.device import resolve_dtype
     from shardserve.workers.model_source import load_config, model_context_length, resolve_model
     from shardserve.workers.plan import PlanConfig, open_for_plan, plan_replica
-    from shardserve.workers.quantization import dense_copy_bytes, weight_format_for
+    from shardserve.workers.quantization import weight_format_for
 
     args.validate()
     files = resolve_model(args.model)
@@ -106,8 +106,7 @@ def build_plan(ns: argparse.Namespace, args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, triton=device == "cuda" and _cuda_kernels())
     groups = args.attention_groups
-    fmt = (weight_format_for(dtype, args.quantization, isinstance(ckpt, GGUFCheckpoint), args.packed_dense_rows,
-                             dense_copy_bytes(ckpt, dtype) if args.packed_dense_rows == "auto" else 0)
+    fmt = (weight_format_for(dtype, args.quantization, isinstance(ckpt, GGUFCheckpoint), args.packed_dense_rows, ckpt)
            if device == "cpu" else None)
     if args.enable_dp_attention:
         from shardserve.workers.plan_dp import plan_dp_replica

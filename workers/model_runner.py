@@ -30,7 +30,7 @@ from shardserve.workers.messages import PLACEHOLDER_TOKEN, DataParallelPlan, Sam
 from shardserve.workers.model_source import ModelFiles, model_context_length
 from shardserve.workers.plan import (LIBRARY_WORKSPACE_BYTES, PlanConfig, RankPlan, cache_bytes, check_plan,
                                      decode_graph_backend, plan_rank)
-from shardserve.workers.quantization import WeightFormat, dense_copy_bytes, weight_format_for
+from shardserve.workers.quantization import WeightFormat, weight_format_for
 from shardserve.workers.rejection_sampler import sample_with_drafts
 from shardserve.workers.sampler import sample_on_device, sampled_tokens
 from shardserve.workers.state_cache import StateCache
@@ -85,8 +85,7 @@ def weight_format_of(ckpt, dtype: str, device: str, quantization: str,
     resolved = resolve_dtype(dtype, device, ckpt.matrix_types() if is_gguf else None, quantization)
     if device != "cpu":
         return resolved, None
-    dense_bytes = dense_copy_bytes(ckpt, resolved) if packed_dense_rows == "auto" else 0
-    return resolved, weight_format_for(resolved, quantization, is_gguf, packed_dense_rows, dense_bytes)
+    return resolved, weight_format_for(resolved, quantization, is_gguf, packed_dense_rows, ckpt)
 
 
 def allocate_caches(layers, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> int:

@@ -210,22 +210,23 @@ def dense_copy_bytes(ckpt, dtype: torch.dtype) -> int:
 
 
 def weight_format_for(dtype: torch.dtype, quantization: str, is_gguf: bool, packed_dense_rows: str = "0",
-                      dense_bytes: int = 0) -> WeightFormat | None:
+                      ckpt=None) -> WeightFormat | None:
     """The :class:`WeightFormat` of a run, or None for plain dense weights.
 
     A GGUF file keeps its Q4_0/Q4_1/Q8_0 tensors packed when computing in bfloat16 (the kernels'
     fast path; float32 is the exact dequantized path, float16 runs them slowly on CPU);
     ``--quantization`` packs float weights in whatever dtype was asked for. ``packed_dense_rows``
     (``--packed-dense-rows``): a row count as text (``"0"`` = no dense copies) or ``"auto"``:
-    :func:`kernels.packed_linear.dense_rows_auto` (measured on this CPU), and none when the copies
-    (``dense_bytes``, :func:`dense_copy_bytes`) would take more than :data:`DENSE_COPY_SHARE` of the
-    host's available memory: they roughly quadruple a Q4 model's weights, which a large model on a small
-    machine cannot afford (a row count asked for explicitly is kept)."""
+    :func:`kernels.packed_linear.dense_rows_auto` (measured on this CPU), and none when the copies of
+    ``ckpt``'s matrices (:func:`dense_copy_bytes`; ``ckpt`` is needed for ``"auto"``) would take more
+    than :data:`DENSE_COPY_SHARE` of the host's available memory: they roughly quadruple a Q4 model's
+    weights, which a large model on a small machine cannot afford (a row count asked for explicitly is
+    kept)."""
     if quantization == "none" and not (is_gguf and dtype == torch.bfloat16):
         return None
     if packed_dense_rows != "auto":
         dense_rows = int(packed_dense_rows)
-    elif dense_bytes > DENSE_COPY_SHARE * psutil.virtual_memory().available:
+    elif (dense_bytes := dense_copy_bytes(ckpt, dtype)) > DENSE_COPY_SHARE * psutil.virtual_memory().available:
         logger.info("--packed-dense-rows auto: no dense copies (%.1f GiB would exceed %d%% of the host's available "
                     "memory)", dense_bytes / 2**30, round(100 * DENSE_COPY_SHARE))
         dense_rows = 0

@@ -109,8 +109,8 @@ def build_meta_model(config, ckpt: Checkpoint, tensor_split: list[float] | None 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
     """Bytes of a model's weights by storage format: parameters by dtype name (``"bfloat16"``,
     ``"float8_e4m3fn"``, ...), packed weights as ``"int4"`` / ``"int8"`` and their dense copies
-    (``--packed-dense-rows``) as ``"int4 dense copies"`` / ``"int8 dense copies"``. Works on the meta-device
-    model (a weight planned to be packed counts its packed size) and on the loaded one (its packed
+    (``--packed-dense-rows``) as ``"int4 dense copies"`` / ``"int8 dense copies"``. Works on the
+    meta-device model (a weight planned to be packed counts its packed size) and on the loaded one (its packed
     weights); a tensor shared by two modules (a tied LM head) counts once. Buffers (RoPE tables)
     are not weights: :func:`buffer_bytes`."""
     out: dict[str, int] = {}
@@ -121,16 +121,19 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
     for param in model.parameters():   # deduplicated by identity
         kind = getattr(param, "packed_kind", None)
         if kind:
-            add(kind, param.packed_nbytes - param.dense_nbytes)
-            add(f"{kind} dense copies", param.dense_nbytes)
+            add(kind, param.packed_nbytes)
+            if param.dense_nbytes:
+                add(f"{kind} dense copies", param.dense_nbytes)
         else:
             add(str(param.dtype).removeprefix("torch."), param.numel() * param.element_size())
     packed = {id(m.packed): m.packed for m in model.modules() if getattr(m, "packed", None) is not None}
     for weight in packed.values():
-        copy = 0 if weight.dense is None else weight.dense.nbytes
-        add(weight.kind, weight.nbytes - copy)
-        add(f"{weight.kind} dense copies", copy)
-    return {key: size for key, size in out.items() if size or "dense copies" not in key}
+        if weight.dense is None:
+            add(weight.kind, weight.nbytes)
+        else:
+            add(weight.kind, weight.nbytes - weight.dense.nbytes)
+            add(f"{weight.kind} dense copies", weight.dense.nbytes)
+    return out
 
 
 def buffer_bytes(model: nn.Module) -> int:

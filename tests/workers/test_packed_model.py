@@ -122,18 +122,21 @@ def test_dtype_auto_rule():
         resolve_dtype("fp8", "cpu")
 
 
-def test_dense_copies_auto_stay_within_the_hosts_memory(tiny_gguf):
+def test_dense_copies_auto_stay_within_the_hosts_memory(tiny_gguf, monkeypatch):
     """``--packed-dense-rows auto`` keeps no copies that would take over a quarter of the host's
     available memory (they roughly quadruple a Q4 model's weights); an explicit row count is kept."""
     import psutil
 
     from shardserve.kernels.packed_linear import dense_rows_auto
-    from shardserve.workers.quantization import DENSE_COPY_SHARE, dense_copy_bytes
+    from shardserve.workers import quantization
+    from shardserve.workers.quantization import dense_copy_bytes
 
     ckpt = GGUFCheckpoint(tiny_gguf)
     matrices = [ckpt.get(name).shape for name in ckpt.names() if len(ckpt.get(name).shape) == 2]
     assert dense_copy_bytes(ckpt, torch.bfloat16) == sum(rows * cols * 2 for rows, cols in matrices)
-    too_big = int(psutil.virtual_memory().available / DENSE_COPY_SHARE) * 2
-    assert weight_format_for(torch.bfloat16, "none", True, "auto", too_big).dense_rows == 0
-    assert weight_format_for(torch.bfloat16, "none", True, "auto", 1).dense_rows == dense_rows_auto(torch.bfloat16)
-    assert weight_format_for(torch.bfloat16, "none", True, "16", too_big).dense_rows == 16
+    assert weight_format_for(torch.bfloat16, "none", True, "auto", ckpt).dense_rows == dense_rows_auto(torch.bfloat16)
+    # the same copies on a host whose available memory is under 2x their size
+    monkeypatch.setattr(quantization, "DENSE_COPY_SHARE", dense_copy_bytes(ckpt, torch.bfloat16)
+                        / psutil.virtual_memory().available / 2)
+    assert weight_format_for(torch.bfloat16, "none", True, "auto", ckpt).dense_rows == 0
+    assert weight_format_for(torch.bfloat16, "none", True, "16", ckpt).dense_rows == 16

@@ -68,8 +68,8 @@ class PackedWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this weight keeps (a weight reload copies new contents into them in place)."""
-        dense = [] if self.dense is None else [self.dense]
-        return ([self.packed, self.scale_zeros] if self.kind == "int4" else [self.qweight, self.row_scales, self.scales]) + dense
+        kept = [self.packed, self.scale_zeros] if self.kind == "int4" else [self.qweight, self.row_scales, self.scales]
+        return kept if self.dense is None else kept + [self.dense]
 
     def same_layout(self, weight: QuantizedWeight) -> bool:
         """Whether ``weight`` packs into tensors of exactly this weight's shapes."""
@@ -113,17 +113,15 @@ class PackStaging:
         return merged if merged is not None and PackedWeight.supported(merged) else None
 
 
-def packed_nbytes(kind: str, shape: tuple[int, int], dtype: torch.dtype, group_size: int = GROUP_SIZE,
-                  dense: bool = False) -> int:
-    """Bytes a :class:`PackedWeight` of ``kind`` and shape ``[N, K]`` keeps (:attr:`PackedWeight.nbytes`,
-    from the shapes alone): int4 ``[N, K / 2]`` uint8 codes + ``[K / group, N, 2]`` scales and zeros in
-    ``dtype``; int8 ``[N, K]`` codes + ``[N]`` float32 and ``[N]`` ``dtype`` scales; with ``dense``, the
-    ``[N, K]`` ``dtype`` copy on top."""
+def packed_nbytes(kind: str, shape: tuple[int, int], dtype: torch.dtype, group_size: int = GROUP_SIZE) -> int:
+    """Bytes a :class:`PackedWeight` of ``kind`` and shape ``[N, K]`` keeps without its dense copy
+    (:attr:`PackedWeight.nbytes` less ``dense``, from the shapes alone): int4 ``[N, K / 2]`` uint8 codes
+    + ``[K / group, N, 2]`` scales and zeros in ``dtype``; int8 ``[N, K]`` codes + ``[N]`` float32 and
+    ``[N]`` ``dtype`` scales."""
     num_out, num_in = shape
-    copy = num_out * num_in * dtype.itemsize if dense else 0
     if kind == "int4":
-        return num_out * num_in // 2 + num_in // group_size * num_out * 2 * dtype.itemsize + copy
-    return num_out * num_in + num_out * (4 + dtype.itemsize) + copy
+        return num_out * num_in // 2 + num_in // group_size * num_out * 2 * dtype.itemsize
+    return num_out * num_in + num_out * (4 + dtype.itemsize)
 
 
 def _packed_kind(model: nn.Module, name: str, module: nn.Module, ckpt, fmt: WeightFormat) -> str | None:
@@ -150,9 +148,9 @@ def _packed_kind(model: nn.Module, name: str, module: nn.Module, ckpt, fmt: Weig
 def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
     """Before loading (on the meta-device model): let every packable layer of ``model`` in the
     compute dtype collect integer forms, and decide from ``ckpt``'s metadata which of them will
-    be packed. The weight parameter of such a layer is marked ``packed_kind`` (and
-    ``packed_nbytes``, of which ``dense_nbytes`` the dense copy): it stays on the meta device, never allocated, and is replaced by the packed
-    weight after loading. Layers whose weight is read directly (``fp8_allowed = False``: MLA's
+    be packed. The weight parameter of such a layer is marked ``packed_kind`` (and ``packed_nbytes``,
+    ``dense_nbytes`` for its dense copy): it stays on the meta device, never allocated, and is replaced
+    by the packed weight after loading. Layers whose weight is read directly (``fp8_allowed = False``: MLA's
     absorbed ``kv_b_proj``) and layers kept in another dtype (the DSA indexer's float32 head
     weights) stay as they are."""
     decided = set()
@@ -168,7 +166,7 @@ def apply_weight_format(model: nn.Module, fmt: WeightFormat, ckpt) -> None:
             kind = _packed_kind(model, name, module, ckpt, fmt)
             if kind is not None:
                 weight.packed_kind = kind
-                weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype, dense=fmt.dense_rows > 0)
+                weight.packed_nbytes = packed_nbytes(kind, tuple(weight.shape), fmt.dtype)
                 weight.dense_nbytes = weight.numel() * fmt.dtype.itemsize if fmt.dense_rows else 0
 
 
