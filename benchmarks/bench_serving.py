@@ -3,7 +3,9 @@
 A closed-loop load generator: ``C`` clients each send streaming ``/v1/completions`` requests
 (``max_tokens`` = M, greedy, ``ignore_eos``, distinct prompts) back to back until N requests are
 done. Per run it prints output tokens/s (all output tokens / wall time), TTFT p50/p99 (send to
-first token) and TPOT p50/p99 (per request: time after the first token / (tokens - 1)).
+first token) and TPOT p50/p99 (per request: time after the first token / (tokens - 1)); for
+shardserve also where the mean TTFT went (its replicas' queue and prefill time from ``/metrics``,
+the rest in the router and in transit).
 
 ``--workload shared-prefix`` sends N system prompts x M questions instead (``--num-prefixes``,
 ``--questions``, ``--prefix-words``; the prompts of one system prompt share it as their prefix,
@@ -345,6 +347,43 @@ print(json.dumps({{"phases": phases, "weights_mib": runner.weight_bytes / 2**20,
 
 
 # -- the default comparison -----------------------------------------------------------------------
+# TTFT's parts: the router's TTFT histogram and the replicas' queue and prefill histograms (vLLM's names)
+PHASES = {"TTFT": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+          "prefill": "vllm:request_prefill_time_seconds"}
+
+
+def phase_totals(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]]:
+    """``{phase: (sum of seconds, count)}`` of :data:`PHASES` over every replica, from a shardserve
+    server's ``/metrics`` (``base_url``: ``http://host:port/v1``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(base_url.removesuffix("/v1") + "/metrics",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        text = reply.read().decode()
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        for phase, name in PHASES.items():
+            if family.name == name:
+                got = [(s.name, s.value) for s in family.samples]
+                totals[phase] = (sum(v for n, v in got if n.endswith("_sum")),
+                                 sum(v for n, v in got if n.endswith("_count")))
+    return totals
+
+
+def ttft_breakdown(before: dict, after: dict) -> str:
+    """Mean TTFT of the requests between two :func:`phase_totals` (the run's warm-up request
+    included), split into the replica's queue and prefill time and the rest (router: parsing,
+    tokenization, routing; transit to and from the replica)."""
+    means = {}
+    for phase in PHASES:
+        total, count = (a - b for a, b in zip(after.get(phase, (0, 0)), before.get(phase, (0, 0))))
+        means[phase] = 1e3 * total / count if count else float("nan")
+    rest = means["TTFT"] - means["queue"] - means["prefill"]
+    return (f"  TTFT mean {means['TTFT']:.0f} ms = replica queue {means['queue']:.0f} + prefill "
+            f"{means['prefill']:.0f} + router and transit {rest:.0f}")
+
+
 def measure_server(server: Server, concurrencies: list[int], args, results: list[RunResult]) -> None:
     """Start-up, then one load run per concurrency; always stops the server."""
     try:
@@ -352,11 +391,15 @@ def measure_server(server: Server, concurrencies: list[int], args, results: list
         first = 0
         for concurrency in concurrencies:
             num = args.num_requests or max(8, 2 * concurrency)
+            ours = server.name.startswith("shardserve")
+            before = phase_totals(server.base_url, args.api_key) if ours else None
             result = asyncio.run(run_load(server.base_url, server.name, concurrency, num, args.max_tokens,
                                           api_key=args.api_key, prompts=workload(args) or distinct_prompts(num, first)))
             first += num
             results.append(result)
             print(format_row(result), flush=True)
+            if ours:
+                print(ttft_breakdown(before, phase_totals(server.base_url, args.api_key)), flush=True)
             if concurrency == concurrencies[-1]:   # resident memory after the heaviest run
                 if server.name == "shardserve TP=1":
                     args.tp1_memory = shard_worker_memory(server)

@@ -22,8 +22,8 @@ from typing import Protocol
 from shardserve.cluster.engine.block_manager import BlockManager
 from shardserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.engine.grammar import GrammarState
-from shardserve.cluster.engine.request import (Logprob, Request, RequestStatus, SamplingParams, SpecUsage,
-                                                tokenize_bad_words)
+from shardserve.cluster.engine.request import (Logprob, Request, RequestStatus, RequestTimes, SamplingParams,
+                                                SpecUsage, tokenize_bad_words)
 from shardserve.cluster.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shardserve.cluster.engine.state_slots import StateSlots
 from shardserve.workers.messages import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
@@ -50,6 +50,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache
     spec_decode: SpecUsage | None = None     # the request's speculative decoding so far (speculation on)
+    times: RequestTimes | None = None        # where its time went (the final output of one that stopped)
 
 
 @dataclass(slots=True)
@@ -233,6 +234,8 @@ class EngineCore:
             if status is not None:
                 break
         request.logprobs.extend(new_logprobs)
+        if new_ids and request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         if verified:
             # Speculative rollback: the caches hold every token but the newest one (positions of
             # rejected drafts, or of tokens cut by a stop, are stale and get overwritten later).
@@ -246,7 +249,7 @@ class EngineCore:
             request.request_id, new_ids, tracked.detokenizer.delta(final=status is not None),
             new_logprobs, status is not None, status.finish_reason if status else None,
             request.num_prompt_tokens, request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
-            spec_decode=request.spec)
+            spec_decode=request.spec, times=RequestTimes.of(request, time.monotonic()) if status is not None else None)
 
     def _check_stop(self, request: Request, detok: IncrementalDetokenizer, token_id: int) -> RequestStatus | None:
         params = request.params

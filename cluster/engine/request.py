@@ -273,6 +273,31 @@ class Logprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """Where a finished request's time went in its engine, seconds (vLLM's
+    ``vllm:request_{queue,prefill,decode,inference}_time_seconds``, ``vllm/v1/metrics/stats.py``):
+    ``queue_s`` from arrival to first scheduled, ``prefill_s`` from then to the first output token
+    (prefill chunks and the wait between them), ``decode_s`` from the first to the last token."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        """First scheduled to last token (vLLM's inference time)."""
+        return self.prefill_s + self.decode_s
+
+    @classmethod
+    def of(cls, request: Request, now: float) -> RequestTimes:
+        """``request``'s times when it ends at ``now`` (``time.monotonic()``); phases it never
+        reached take no time."""
+        scheduled = request.scheduled_time if request.scheduled_time is not None else now
+        first = request.first_token_time if request.first_token_time is not None else now
+        return cls(max(scheduled - request.arrival_time, 0.0), max(first - scheduled, 0.0), max(now - first, 0.0))
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. ``num_computed_tokens`` chases ``num_tokens`` (vLLM's scheduling rule):
@@ -284,6 +309,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None   # time.monotonic() when first scheduled (queue time ends)
+    first_token_time: float | None = None  # ... when its first output token was appended
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -16,6 +16,7 @@ position 0 on a fresh, zeroed slot).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -176,6 +177,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new

@@ -538,6 +538,7 @@ class Choice:
     cached_tokens: int = 0                          # prompt tokens from the prefix cache
     output: object = None          # chat: a cluster.frontend.chat_output.ChoiceOutput (None: plain text)
     spec_decode: object = None       # pb.SpecDecodeUsage of the last response (the replica speculates)
+    times: object = None             # pb.RequestTimes of its final response (it stopped or hit a length)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice] = ()) -> dict:

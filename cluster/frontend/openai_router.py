@@ -653,6 +653,8 @@ class RouterCore:
         choice.cached_tokens = resp.usage.cached_tokens
         if resp.usage.HasField("spec_decode"):
             choice.spec_decode = resp.usage.spec_decode
+        if resp.HasField("times"):
+            choice.times = resp.times
         if resp.finish_reason:
             choice.finish_reason = resp.finish_reason
 
@@ -692,6 +694,9 @@ class RouterCore:
             self.metrics.count_tokens(run.caller.key_id, 0, choice.completion_tokens)
             if replica is not None:
                 self.metrics.vllm.observe_choice(replica, run.started, first, now, choice.completion_tokens)
+                if choice.times is not None:
+                    self.metrics.vllm.observe_times(replica, choice.times.queue_s, choice.times.prefill_s,
+                                                    choice.times.decode_s)
             used += choice.prompt_tokens + choice.completion_tokens
             cached += choice.cached_tokens
             if choice.index // run.parsed.n not in counted_prompts:

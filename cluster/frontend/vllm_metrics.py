@@ -12,7 +12,12 @@ blocks / blocks, 0..1), ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_ca
 From the router as requests end: ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds`` (histograms, vLLM's
 buckets), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-``vllm:request_success_total{finished_reason}``. MTP's ``vllm:spec_decode_*`` come from the
+``vllm:request_success_total{finished_reason}``; from the replicas' final responses (vLLM's
+definitions, ``vllm/v1/metrics/stats.py``), where a request's time went inside its replica:
+``vllm:request_queue_time_seconds`` (arrival to first scheduled), ``vllm:request_prefill_time_seconds``
+(to the first token), ``vllm:request_decode_time_seconds`` (first to last token) and
+``vllm:request_inference_time_seconds`` (first scheduled to last token); TTFT less queue and prefill
+time is what the request spent in the router and in transit. MTP's ``vllm:spec_decode_*`` come from the
 replicas' speculative-decoding counters (:mod:`cluster.frontend.metrics`).
 
 The inter-token histogram gets a choice's ``n - 1`` intervals as ``n - 1`` observations of their
@@ -81,6 +86,11 @@ class VllmMetrics:
                               ITL_BUCKETS)
         self.e2e = _Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                               E2E_BUCKETS)
+        self.phases = {phase: _Histogram(f"vllm:request_{phase}_time_seconds", doc, E2E_BUCKETS) for phase, doc in (
+            ("queue", "Histogram of time spent in WAITING phase for request."),
+            ("prefill", "Histogram of time spent in PREFILL phase for request."),
+            ("decode", "Histogram of time spent in DECODE phase for request."),
+            ("inference", "Histogram of time spent in RUNNING phase for request."))}
         self.tokens: dict[str, list[int]] = {}             # replica -> [prompt, generation]
         self.finished: dict[tuple[str, str], int] = {}     # (replica, reason) -> requests
 
@@ -102,6 +112,13 @@ class VllmMetrics:
         if num_tokens > 1:
             self.itl.observe(replica, (finished - first_token) / (num_tokens - 1), num_tokens - 1)
 
+    def observe_times(self, replica: str, queue_s: float, prefill_s: float, decode_s: float) -> None:
+        """Where one finished choice's time went in its replica, seconds (queue, prefill, decode;
+        inference = prefill + decode)."""
+        for phase, seconds in (("queue", queue_s), ("prefill", prefill_s), ("decode", decode_s),
+                               ("inference", prefill_s + decode_s)):
+            self.phases[phase].observe(replica, seconds)
+
     def observe_request(self, replica: str, latency_s: float, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: Iterable[str | None]) -> None:
         """One request that ended on ``replica``."""
@@ -117,7 +134,7 @@ class VllmMetrics:
         """The replica left: its series go."""
         self.replicas.pop(replica, None)
         self.tokens.pop(replica, None)
-        for histogram in (self.ttft, self.itl, self.e2e):
+        for histogram in (self.ttft, self.itl, self.e2e, *self.phases.values()):
             histogram.series.pop(replica, None)
         for key in [k for k in self.finished if k[0] == replica]:
             del self.finished[key]
@@ -152,5 +169,5 @@ class VllmMetrics:
         for (replica, reason), count in sorted(self.finished.items()):
             success.add_metric([model, replica, replica, reason], count)
         yield success
-        for histogram in (self.ttft, self.itl, self.e2e):
+        for histogram in (self.ttft, self.itl, self.e2e, *self.phases.values()):
             yield histogram.family(model)

@@ -71,7 +71,9 @@ def _response(out) -> pb.GenerateResponse:
         finish_reason=out.finish_reason or "",
         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                        cached_tokens=out.num_cached_tokens,
-                       spec_decode=_spec_usage(out.spec_decode)))
+                       spec_decode=_spec_usage(out.spec_decode)),
+        times=pb.RequestTimes(queue_s=out.times.queue_s, prefill_s=out.times.prefill_s, decode_s=out.times.decode_s)
+        if out.times is not None else None)
 
 
 def _spec_usage(spec) -> pb.SpecDecodeUsage | None:

@@ -34,6 +34,7 @@ def loaded_metrics() -> ServeMetrics:
         metrics.vllm.set_replica(replica, running, 2, free, 100, prefix_queries=600, prefix_hits=450)
     metrics.vllm.observe_choice("r1", 10.0, 10.25, 11.25, 5)         # TTFT 0.25 s, 4 intervals of 0.25 s
     metrics.vllm.observe_request("r1", 1.25, 40, 5, ["length"])
+    metrics.vllm.observe_times("r1", 0.125, 0.0625, 1.0)             # queue, prefill, decode (s)
     metrics.vllm.observe_request("r2", 0.5, 10, 1, ["stop"])
     return metrics
 
@@ -55,6 +56,11 @@ def test_vllm_names_parse_with_model_and_replica_labels_and_leave_with_the_repli
     assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 2
     assert value(parsed, "vllm:request_success_total", finished_reason="length") == 1
     assert value(parsed, "vllm:spec_decode_num_accepted_tokens_total") == 5
+    for phase, seconds in (("queue", 0.125), ("prefill", 0.0625), ("decode", 1.0), ("inference", 1.0625)):
+        assert value(parsed, f"vllm:request_{phase}_time_seconds_count", replica="r1") == 1
+        assert value(parsed, f"vllm:request_{phase}_time_seconds_sum", replica="r1", model_name="tiny") == seconds
+    assert value(parsed, "vllm:request_queue_time_seconds_bucket", replica="r1", le="0.3") == 1
+    assert value(parsed, "vllm:request_decode_time_seconds_bucket", replica="r1", le="0.8") == 0
     metrics.forget_replica("r2")
     parsed = samples(metrics)
     assert not [key for key in parsed if ("replica", "r2") in key[1]]

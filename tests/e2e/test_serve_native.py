@@ -172,7 +172,9 @@ def test_one_grpc_endpoint_with_key_health_and_reflection(app):
 VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
               "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
               "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-              "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+              "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+              "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+              "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count")
 
 
 def test_metrics_carry_vllm_names_per_replica_that_move_with_the_load(app):
@@ -189,9 +191,22 @@ def test_metrics_carry_vllm_names_per_replica_that_move_with_the_load(app):
     assert len(replicas) == 2
     moved = {name: total(after, name) - total(before, name)
              for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                          "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count")}
+                          "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
+                          "vllm:request_queue_time_seconds_count", "vllm:request_inference_time_seconds_count")}
     assert moved == {"vllm:prompt_tokens_total": 120, "vllm:generation_tokens_total": 15,
-                     "vllm:e2e_request_latency_seconds_count": 3, "vllm:time_to_first_token_seconds_count": 3}
+                     "vllm:e2e_request_latency_seconds_count": 3, "vllm:time_to_first_token_seconds_count": 3,
+                     "vllm:request_queue_time_seconds_count": 3, "vllm:request_inference_time_seconds_count": 3}
+    spent = {name: total(after, name) - total(before, name)
+             for name in ("vllm:e2e_request_latency_seconds_sum", "vllm:time_to_first_token_seconds_sum",
+                          "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+                          "vllm:request_decode_time_seconds_sum", "vllm:request_inference_time_seconds_sum")}
+    # the replica's phases nest inside what the router saw: queue + prefill within TTFT, all within e2e
+    assert 0 < spent["vllm:request_prefill_time_seconds_sum"]
+    assert (spent["vllm:request_queue_time_seconds_sum"] + spent["vllm:request_prefill_time_seconds_sum"]
+            <= spent["vllm:time_to_first_token_seconds_sum"])
+    assert spent["vllm:request_inference_time_seconds_sum"] == pytest.approx(
+        spent["vllm:request_prefill_time_seconds_sum"] + spent["vllm:request_decode_time_seconds_sum"])
+    assert spent["vllm:request_inference_time_seconds_sum"] <= spent["vllm:e2e_request_latency_seconds_sum"]
 
 
 @pytest.mark.extended
