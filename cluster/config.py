@@ -150,7 +150,10 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        check_packed_dense_rows(str(self.packed_dense_rows))
+        rows = check_packed_dense_rows(str(self.packed_dense_rows))
+        if rows != "auto" and int(rows) > self.max_num_batched_tokens:
+            raise ValueError(f"--packed-dense-rows {rows} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+                             "no step has that many rows, so the dense copies would never be used (0 keeps none)")
         if self.quantization != "none" and is_gguf_model(self.model):
             raise ValueError(f"--quantization {self.quantization} applies to float checkpoints; "
                              f"{self.model} is a GGUF file, quantized already")

@@ -246,6 +246,6 @@ def check_packed_dense_rows(value: str) -> str:
     Raises:
         ValueError: anything else.
     """
-    if value != "auto" and not (value.isdigit() and int(value) >= 0):
+    if value != "auto" and not (value.isascii() and value.isdigit()):
         raise ValueError(f"--packed-dense-rows must be auto or an integer >= 0 (0 = no dense copies), got {value!r}")
     return value

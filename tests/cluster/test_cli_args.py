@@ -79,6 +79,7 @@ def nothing_loads(monkeypatch):
     (["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"], "at most 4 stop strings"),
     (["--prompt", ""], "--prompt must not be empty"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
+    (["--packed-dense-rows", "99999999999999999999"], "exceeds --max-num-batched-tokens 2048"),
 ])
 def test_generate_checks_its_arguments_before_loading_the_model(flags, message, nothing_loads, capsys):
     argv = ["generate", "--prompt", "hi"] + flags
@@ -220,7 +221,7 @@ def test_limits_and_rates():
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "abc"], ["serve", "--port", "99999"],
                                   ["serve-grpc", "--grpc-port", "-1"], ["serve", "--bogus-flag"], ["bogus"],
-                                  ["serve", "--device", "tpu"]])
+                                  ["serve", "--device", "tpu"], ["plan", "--packed-dense-rows", "\u00b2"]])
 def test_usage_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
