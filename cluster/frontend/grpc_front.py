@@ -113,29 +113,26 @@ class RouterServicer(pb_grpc.InferenceServicer):
             call.CopyFrom(request)
             if request.WhichOneof("prompt") != "chat":   # a chat goes as it is (the replica parses its answer)
                 call.token_ids.ids[:] = ids
-            call.request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            # the replica sees an id of the router's own: two clients (or one, twice) may send the same id
+            call.request_id = f"grpc-{uuid.uuid4().hex}"
             call.tenant, call.group_id = caller.tenant, call.request_id
             parsed = ParsedRequest("completion", None, [ids], max_tokens=max_tokens, cache_salt=request.cache_salt)
             hashes = await core.prompt_hashes(ids, caller, request.cache_salt)
             run = await core._start(parsed, [ids], started, self._deadline(context), caller, hashes=hashes,
                                     requests=[call])
-        except LimitExceeded as exc:
+        except (ValueError, OpenAIError) as exc:   # LimitExceeded and OpenAIError carry their status
+            status = getattr(exc, "status", 400)   # a plain ValueError: a bad prompt
             core.settle(caller, charged, 0)
-            await context.abort(grpc_code(exc.status), str(exc))
-        except ValueError as exc:
-            core.settle(caller, charged, 0)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except OpenAIError as err:
-            core.settle(caller, charged, 0)
-            core.metrics.count("grpc", err.status, "timeout" if err.status == 408 else "rejected", caller.key_id)
-            await context.abort(grpc_code(err.status), err.message)
+            core.metrics.count("grpc", status, "timeout" if status == 408 else "rejected", caller.key_id)
+            await context.abort(grpc_code(status), str(exc))
         run.endpoint, run.charged_tokens, run.status = "grpc", charged, 200
-        failure = None
+        client_id, failure = request.request_id or call.request_id, None
         try:
             first = run.first_responses[0]
             if first is grpc.aio.EOF:
                 run.outcome = "finished"
                 return
+            first.request_id = client_id
             yield first
             call, choice = run.calls[0], run.choices[0]
             while choice.finish_reason is None:
@@ -143,6 +140,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 if resp is grpc.aio.EOF:
                     break
                 core._absorb(run, 0, resp)
+                resp.request_id = client_id
                 yield resp
             run.outcome = "finished"
         except grpc.aio.AioRpcError as exc:

@@ -238,8 +238,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         link = StreamLink(self, self._caller(context))
         reader = asyncio.create_task(link.read(request_iterator))
         try:
-            while True:
-                yield await link.next_batch()
+            while (batch := await link.next_batch()) is not None:
+                yield batch
         finally:
             reader.cancel()
             link.close()
@@ -325,9 +325,10 @@ class StreamLink:
         self.responses: list[pb.GenerateResponse] = []
         self.errors: list[pb.StreamError] = []
         self.ready = asyncio.Event()
+        self.half_closed = False   # the client sends nothing more: the call ends once its requests have
 
     async def read(self, request_iterator) -> None:
-        """Start and cancel requests as the client sends them."""
+        """Start and cancel requests as the client sends them; note when it has sent its last."""
         async for msg in request_iterator:
             if msg.WhichOneof("kind") == "generate":
                 rid = msg.generate.request_id
@@ -347,6 +348,8 @@ class StreamLink:
                 task = self.tasks.pop(msg.cancel, None)
                 if task is not None:
                     task.cancel()   # leaving the coordinator's stream aborts the request, frees its blocks
+        self.half_closed = True
+        self.ready.set()
 
     async def _run(self, request: pb.GenerateRequest, deadline: float | None) -> None:
         rid = request.request_id
@@ -361,15 +364,21 @@ class StreamLink:
             self._fail(rid, *status)
         finally:
             self.tasks.pop(rid, None)
+            self.ready.set()   # the writer checks whether the call is over
 
     def _fail(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
         self.errors.append(pb.StreamError(request_id=request_id, code=code.value[0], details=details))
         self.ready.set()
 
-    async def next_batch(self) -> pb.StreamResponse:
-        """Everything produced since the last batch (waits until there is something)."""
-        await self.ready.wait()
-        self.ready.clear()
+    async def next_batch(self) -> pb.StreamResponse | None:
+        """Everything produced since the last batch (waits until there is something); None once the
+        client has half-closed the call and every request on it has ended and been sent (the call
+        then ends OK)."""
+        while not (self.responses or self.errors):
+            if self.half_closed and not self.tasks:
+                return None
+            await self.ready.wait()
+            self.ready.clear()
         batch = pb.StreamResponse(responses=self.responses, errors=self.errors)
         self.responses, self.errors = [], []
         return batch

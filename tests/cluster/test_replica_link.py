@@ -135,6 +135,34 @@ def test_cancel_aborts_on_the_replica_and_errors_keep_their_status():
     assert errors == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED]
 
 
+def test_a_half_closed_stream_ends_ok_once_its_requests_have():
+    """A client that sends its requests and half-closes gets every answer, then the call's OK end;
+    with nothing open it ends at once (as a bidirectional call of grpc's own examples does)."""
+    async def scenario(engine, stub, port):
+        async def two():
+            for rid in ("a", "b"):
+                yield pb.StreamRequest(generate=request(rid))
+
+        async def none():
+            return
+            yield
+
+        call = stub.GenerateStream(two())
+        await until(lambda: {"a", "b"} <= set(engine.queues))
+        for _ in range(3):
+            engine.step()
+        texts = {}
+        async for batch in call:
+            for resp in batch.responses:
+                texts[resp.request_id] = texts.get(resp.request_id, "") + resp.text
+        empty = [batch async for batch in stub.GenerateStream(none())]
+        return texts, await call.code(), empty
+
+    texts, code, empty = run(scenario)
+    assert texts == {"a": "t1 t2 t3 ", "b": "t1 t2 t3 "}
+    assert code == grpc.StatusCode.OK and empty == []
+
+
 def test_a_request_fails_when_the_replica_goes_away():
     async def scenario(engine, stub, port):
         link = ReplicaLink(stub)

@@ -152,9 +152,12 @@ def test_one_grpc_endpoint_with_key_health_and_reflection(app):
             with pytest.raises(grpc.RpcError) as err:
                 generate(stub, [5, 6, 7], metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        rejected = total(metric_samples(app), "shardserve_requests_total", endpoint="grpc", status="400")
         with pytest.raises(grpc.RpcError) as err:
             generate(stub, [5, VOCAB + 3])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert total(metric_samples(app), "shardserve_requests_total", endpoint="grpc", status="400",
+                     outcome="rejected") == rejected + 1
         info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=AUTH, timeout=30)
         assert info.vocab_size == VOCAB and info.block_size == 16
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
@@ -167,6 +170,29 @@ def test_one_grpc_endpoint_with_key_health_and_reflection(app):
         (reply,) = reflection.ServerReflectionInfo(iter([ask]), metadata=AUTH, timeout=30)
         services = {s.name for s in reply.list_services_response.service}
         assert {"shardserve.v1.Inference", "grpc.health.v1.Health"} <= services
+
+
+def test_clients_may_reuse_a_request_id_and_each_call_keeps_its_own_answer(app):
+    """Two calls with the same ``request_id`` at once, one of them leaving mid-stream, do not share
+    a stream on the replica: the router gives each call an id of its own and answers with the caller's."""
+    def ask(stub, ids):
+        request = pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=ids),
+                                     sampling=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        return stub.Generate(request, metadata=AUTH, timeout=120)
+
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]   # 6 calls on 2 replicas: some share a replica
+    with grpc.insecure_channel(app.grpc_address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        alone = [[t for r in generate(stub, ids, max_tokens=8) for t in r.token_ids] for ids in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda ids: list(ask(stub, ids)), prompts))
+        assert [[t for r in answer for t in r.token_ids] for answer in together] == alone
+        assert {r.request_id for answer in together for r in answer} == {"same-id"}
+        leaving = ask(stub, prompts[0])
+        next(leaving)
+        staying = [ask(stub, ids) for ids in prompts[1:]]
+        leaving.cancel()
+        assert [[t for r in call for t in r.token_ids] for call in staying] == alone[1:]
 
 
 VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
