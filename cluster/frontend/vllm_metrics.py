@@ -12,7 +12,9 @@ blocks / blocks, 0..1), ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_ca
 From the router as requests end: ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds`` (histograms, vLLM's
 buckets), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-``vllm:request_success_total{finished_reason}``; from the replicas' final responses (vLLM's
+``vllm:request_success_total{finished_reason}`` (end-to-end latency and success once per choice, as vLLM
+counts its engine requests; a choice that did not finish counts as ``abort``); from the replicas' final
+responses (vLLM's
 definitions, ``vllm/v1/metrics/stats.py``), where a request's time went inside its replica:
 ``vllm:request_queue_time_seconds`` (arrival to first scheduled), ``vllm:request_prefill_time_seconds``
 (to the first token), ``vllm:request_decode_time_seconds`` (first to last token) and
@@ -121,14 +123,17 @@ class VllmMetrics:
 
     def observe_request(self, replica: str, latency_s: float, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: Iterable[str | None]) -> None:
-        """One request that ended on ``replica``."""
-        self.e2e.observe(replica, latency_s)
+        """One client request that ended on ``replica`` after ``latency_s`` seconds, its choices'
+        finish reasons (None: the choice did not finish: the client left, a deadline or a failure).
+        As vLLM counts its engine requests (one per choice): an end-to-end latency and a
+        ``request_success`` per choice, an unfinished one as ``abort``."""
         counts = self.tokens.setdefault(replica, [0, 0])
         counts[0] += prompt_tokens
         counts[1] += generation_tokens
         for reason in finish_reasons:
-            if reason in FINISHED_REASONS:
-                self.finished[(replica, reason)] = self.finished.get((replica, reason), 0) + 1
+            self.e2e.observe(replica, latency_s)
+            reason = reason if reason in FINISHED_REASONS else "abort"
+            self.finished[(replica, reason)] = self.finished.get((replica, reason), 0) + 1
 
     def forget(self, replica: str) -> None:
         """The replica left: its series go."""

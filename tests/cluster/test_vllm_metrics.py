@@ -35,7 +35,7 @@ def loaded_metrics() -> ServeMetrics:
     metrics.vllm.observe_choice("r1", 10.0, 10.25, 11.25, 5)         # TTFT 0.25 s, 4 intervals of 0.25 s
     metrics.vllm.observe_request("r1", 1.25, 40, 5, ["length"])
     metrics.vllm.observe_times("r1", 0.125, 0.0625, 1.0)             # queue, prefill, decode (s)
-    metrics.vllm.observe_request("r2", 0.5, 10, 1, ["stop"])
+    metrics.vllm.observe_request("r2", 0.5, 10, 1, ["stop", None])   # n=2, one choice left unfinished
     return metrics
 
 
@@ -53,8 +53,9 @@ def test_vllm_names_parse_with_model_and_replica_labels_and_leave_with_the_repli
     assert value(parsed, "vllm:time_to_first_token_seconds_bucket", replica="r1", le="0.1") == 0
     assert value(parsed, "vllm:inter_token_latency_seconds_count", replica="r1") == 4
     assert value(parsed, "vllm:inter_token_latency_seconds_sum", replica="r1") == 1.0
-    assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 2
+    assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 3   # one per choice, as vLLM's requests
     assert value(parsed, "vllm:request_success_total", finished_reason="length") == 1
+    assert value(parsed, "vllm:request_success_total", finished_reason="abort", replica="r2") == 1
     assert value(parsed, "vllm:spec_decode_num_accepted_tokens_total") == 5
     for phase, seconds in (("queue", 0.125), ("prefill", 0.0625), ("decode", 1.0), ("inference", 1.0625)):
         assert value(parsed, f"vllm:request_{phase}_time_seconds_count", replica="r1") == 1
