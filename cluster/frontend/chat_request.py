@@ -225,7 +225,7 @@ def _text(content, where: str, allow_none: bool) -> str:
                     or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}.content: only text parts are supported", "messages")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)   # vLLM's rule (chat_utils: text parts joined by newlines)
     raise bad_request(f"{where}.content must be a string or a list of text parts", "messages")
 
 

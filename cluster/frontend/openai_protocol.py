@@ -21,8 +21,13 @@ from shardserve.cluster.engine.request import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX
 MAX_N = 16                # choices per request
 MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat ``top_logprobs``; the engine's limit
 MAX_COMPLETION_LOGPROBS = 5
-# Fields whose non-default values would change the output but the engine does not implement.
-_UNSUPPORTED = {"functions": None, "suffix": None, "best_of": None, "echo": False}
+# Fields (OpenAI's and vLLM's extensions) whose other values would change the output but this server
+# does not implement them -> the values that change nothing (a 400 for any other, never silence).
+_UNSUPPORTED = {"functions": (None,), "suffix": (None, ""), "echo": (None, False),
+                "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+                "prompt_logprobs": (None,), "return_tokens_as_token_ids": (None, False),
+                "truncate_prompt_tokens": (None,), "chat_template": (None,),
+                "add_generation_prompt": (None, True), "continue_final_message": (None, False)}
 # Request fields the engine's INVALID_ARGUMENT messages may start with (they name the field first).
 _ENGINE_FIELDS = ("max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "stop", "logprobs", "temperature", "top_p", "top_k",
@@ -332,9 +337,10 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutputs | None, str | Non
 
 
 def _common(body: dict, kind: str) -> ParsedRequest:
-    for name, default in _UNSUPPORTED.items():
-        if body.get(name) not in (None, default):
-            raise bad_request(f"'{name}' is not supported by this server", name)
+    for name, no_ops in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value is v or (v == "" and value == "") for v in no_ops):   # 0 is not False here
+            raise bad_request(f"'{name}' {json.dumps(value)[:40]} is not supported by this server", name)
     structured, structured_param = _structured_outputs(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -353,6 +359,9 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     if not isinstance(options.get("include_usage", False), bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     n = _number(body, "n", 1, MAX_N, integer=True) or 1
+    best_of = _number(body, "best_of", 1, MAX_N, integer=True)
+    if best_of not in (None, n):   # best_of == n keeps every choice: the same as no best_of
+        raise bad_request(f"'best_of' {best_of} (other than n) is not supported by this server", "best_of")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, max_name, 1, 2**31 - 1, integer=True)
     if max_tokens is None and kind == "completion":
@@ -380,7 +389,8 @@ def _common(body: dict, kind: str) -> ParsedRequest:
 def _controls(body: dict, max_tokens: int | None) -> dict:
     """Penalties (OpenAI's ``presence_penalty`` / ``frequency_penalty``, vLLM's
     ``repetition_penalty``), ``logit_bias`` (token-id strings -> [-100, 100]) and vLLM's
-    ``min_tokens``, ``bad_words``, ``allowed_token_ids``, as ``pb.SamplingParams`` fields."""
+    ``min_tokens``, ``bad_words``, ``allowed_token_ids``, ``stop_token_ids``, ``skip_special_tokens``,
+    as ``pb.SamplingParams`` fields."""
     out = {}
     for name, low, high, low_open in (("presence_penalty", -MAX_PENALTY, MAX_PENALTY, False),
                                       ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, False),
@@ -414,6 +424,17 @@ def _controls(body: dict, max_tokens: int | None) -> dict:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in allowed):
             raise bad_request("'allowed_token_ids' must be a non-empty list of token ids", "allowed_token_ids")
         out["allowed_token_ids"] = allowed
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in stop_ids):
+            raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        out["stop_token_ids"] = stop_ids
+    skip = body.get("skip_special_tokens")
+    if skip is not None:
+        if not isinstance(skip, bool):
+            raise bad_request("'skip_special_tokens' must be a boolean", "skip_special_tokens")
+        out["skip_special_tokens"] = skip
     return out
 
 
@@ -438,6 +459,8 @@ def parse_chat(body: dict) -> ParsedRequest:
             raise bad_request(f"'tool_choice' {options.tool_choice!r} constrains the output to a call; it cannot be "
                               f"combined with '{parsed.structured_param}'", "tool_choice")
         parsed.structured, parsed.structured_param = forced, "tools"
+    if not isinstance(body.get("logprobs", False), (bool, type(None))):
+        raise bad_request(f"'logprobs' must be a boolean, got {body['logprobs']!r}", "logprobs")
     if body.get("logprobs"):
         parsed.logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
     elif body.get("top_logprobs") is not None:
@@ -539,6 +562,8 @@ class Choice:
     output: object = None          # chat: a cluster.frontend.chat_output.ChoiceOutput (None: plain text)
     spec_decode: object = None       # pb.SpecDecodeUsage of the last response (the replica speculates)
     times: object = None             # pb.RequestTimes of its final response (it stopped or hit a length)
+    streamed_chars: int = 0          # streamed: characters of the tokens whose logprobs went out (the next
+                                     # text_offset; stop strings hold text back, never a token's logprob)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice] = ()) -> dict:
@@ -576,14 +601,18 @@ def chat_logprobs(entries: list, token_text) -> dict:
 
 
 def completion_logprobs(entries: list, token_text, text_offset: int = 0) -> dict:
-    """Legacy ``choices[].logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+    """Legacy ``choices[].logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+    Each ``top_logprobs`` entry holds the top-N alternatives and always the sampled token (OpenAI's
+    rule, as vLLM answers: up to N + 1 entries; ``logprobs: 0`` gives the sampled token alone)."""
     tokens, offsets, tops = [], [], []
     for entry in entries:
         text, _ = token_text(entry.token_id)
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(text)
-        tops.append({token_text(t.token_id)[0]: t.logprob for t in entry.top})
+        top = {token_text(t.token_id)[0]: t.logprob for t in entry.top}
+        top.setdefault(text, entry.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 

@@ -742,9 +742,8 @@ class RouterCore:
                              run.parsed.logprobs is not None, run.parsed.n)
         return JSONResponse(body)
 
-    def _event(self, run: _Run, index: int, resp: pb.GenerateResponse, offset: int) -> str | None:
-        """The SSE event for one response of choice ``index`` whose text starts at character
-        ``offset`` of the choice (None when the response carries nothing)."""
+    def _event(self, run: _Run, index: int, resp: pb.GenerateResponse) -> str | None:
+        """The SSE event for one response of choice ``index`` (None when it carries nothing)."""
         reason = finish_reason(resp.finish_reason)
         output, fields = run.choices[index].output, None
         if output is not None:   # parsed chat: reasoning, content and tool-call deltas
@@ -762,7 +761,9 @@ class RouterCore:
             if run.parsed.kind == "chat":
                 logprobs = chat_logprobs(resp.logprobs, self.token_text)
             else:
-                logprobs = completion_logprobs(resp.logprobs, self.token_text, offset)
+                choice = run.choices[index]
+                logprobs = completion_logprobs(resp.logprobs, self.token_text, choice.streamed_chars)
+                choice.streamed_chars = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         body = chunk_body(run.parsed.kind, run.request_id, run.created, run.model, index, text=resp.text or None,
                           logprobs=logprobs, finish=reason, include_usage=run.parsed.include_usage, fields=fields)
         return _sse_data(body)
@@ -781,20 +782,20 @@ class RouterCore:
         queue: asyncio.Queue = asyncio.Queue()
         kind, limit = run.parsed.kind, self.limits.sse_buffer_events
 
-        async def push(index: int, resp) -> None:  # after _absorb: the choice's text ends with resp.text
+        async def push(index: int, resp) -> None:
             if queue.qsize() >= limit:
                 raise _SlowClient
-            queue.put_nowait((index, resp, len(run.choices[index].text) - len(resp.text)))
+            queue.put_nowait((index, resp))
 
         async def pump(index: int) -> None:
             try:
                 await self._read_all(run, index, push)
             except grpc.aio.AioRpcError as exc:
-                queue.put_nowait((index, exc, 0))
+                queue.put_nowait((index, exc))
             except _SlowClient:
                 self._drop_slow_client(run)
             finally:
-                queue.put_nowait((index, None, 0))
+                queue.put_nowait((index, None))
 
         # The first events are made before the pumps start (they change the choices), and the pumps
         # start before anything is yielded: a client that reads nothing still fills the bounded queue.
@@ -805,7 +806,7 @@ class RouterCore:
                                                     role=True, include_usage=run.parsed.include_usage)))
             first = pb.GenerateResponse(text=choice.text, token_ids=choice.token_ids, logprobs=choice.logprobs,
                                         finish_reason=choice.finish_reason or "")
-            opening.append(self._event(run, index, first, 0))
+            opening.append(self._event(run, index, first))
         tasks = [asyncio.create_task(pump(i)) for i in range(len(run.calls))]
         try:
             for event in opening:
@@ -816,7 +817,7 @@ class RouterCore:
                 # Every event already waiting goes out in one write: a stream that fell behind catches up
                 # in one message through Serve instead of one per token; nothing is held back.
                 events, failed = [], None
-                index, item, offset = await queue.get()
+                index, item = await queue.get()
                 if run.outcome == "dropped":
                     return
                 while True:
@@ -826,10 +827,10 @@ class RouterCore:
                         failed = item
                         break
                     else:
-                        events.append(self._event(run, index, item, offset) or "")
+                        events.append(self._event(run, index, item) or "")
                     if queue.empty():
                         break
-                    index, item, offset = queue.get_nowait()
+                    index, item = queue.get_nowait()
                 if failed is not None:
                     err = self._failed(run, failed)
                     run.status = 200   # the stream had started: the error is its last event

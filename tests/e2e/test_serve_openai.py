@@ -228,6 +228,15 @@ def test_stop_strings_cut_exactly(server):
     stop_cut = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
                                                 temperature=0, stop=[word])
     assert stop_cut.choices[0].text == legacy.choices[0].text[:legacy.choices[0].text.index(word)]
+    # a stop string held back over several tokens: streamed logprobs keep the offsets of the whole answer
+    text = legacy.choices[0].text
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, logprobs=1,
+                  stop=[text[len(text) // 2:len(text) // 2 + 6]])
+    whole = server.client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in server.client.completions.create(stream=True, **kwargs)
+              if c.choices and c.choices[0].logprobs]
+    assert [o for c in chunks for o in c.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
 
 
 def test_logprobs_are_finite_and_match_the_engine(server, smollm2_llm, tokenizer):
@@ -248,6 +257,10 @@ def test_logprobs_are_finite_and_match_the_engine(server, smollm2_llm, tokenizer
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert all(math.isfinite(v) for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and "".join(lp.tokens).startswith(legacy.choices[0].text)
+    sampled = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                               temperature=1.5, seed=5, logprobs=0).choices[0].logprobs
+    assert [dict(t) for t in sampled.top_logprobs] == [{tok: lp} for tok, lp in zip(sampled.tokens,
+                                                                                     sampled.token_logprobs)]
 
 
 def test_completions_endpoint_streams_the_same_text_and_takes_batches(server):

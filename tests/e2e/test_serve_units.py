@@ -54,6 +54,20 @@ def error_of(parse, body) -> OpenAIError:
     (parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs", "logprobs"),
     (parse_completion, {"prompt": [1, "a"]}, "prompt", "prompt"),
     (parse_completion, {"prompt": "x", "ignore_eos": 1}, "ignore_eos", "boolean"),
+    (parse_chat, {"messages": CHAT, "logprobs": "false"}, "logprobs", "must be a boolean"),
+    (parse_completion, {"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    (parse_completion, {"prompt": "x", "echo": True}, "echo", "not supported"),
+    (parse_completion, {"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
+    (parse_completion, {"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output",
+     "not supported"),
+    (parse_completion, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    (parse_completion, {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    (parse_completion, {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens", "not supported"),
+    (parse_chat, {"messages": CHAT, "continue_final_message": True}, "continue_final_message", "not supported"),
+    (parse_chat, {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+    (parse_chat, {"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template", "not supported"),
+    (parse_completion, {"prompt": "x", "stop_token_ids": [1, "a"]}, "stop_token_ids", "list of token ids"),
+    (parse_completion, {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens", "boolean"),
 ])
 def test_bad_requests_are_400_with_openai_bodies(parse, body, param, fragment):
     err = error_of(parse, body)
@@ -78,7 +92,11 @@ def test_parsed_fields_follow_openai_defaults():
     assert parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
     parts = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]})
-    assert parts.prompts == [[{"role": "system", "content": "ab"}]]
+    assert parts.prompts == [[{"role": "system", "content": "a\nb"}]]   # vLLM joins text parts with newlines
+    extensions = parse_completion({"prompt": "x", "stop_token_ids": [7, 9], "skip_special_tokens": False,
+                                   "best_of": 2, "n": 2, "suffix": "", "echo": False, "use_beam_search": False})
+    assert extensions.sampling["stop_token_ids"] == [7, 9] and extensions.sampling["skip_special_tokens"] is False
+    assert parse_chat({"messages": CHAT, "logprobs": False, "add_generation_prompt": True}).logprobs is None
 
 
 def test_routing_picks_fewest_outstanding_tokens_and_pays_them_back():
