@@ -65,6 +65,7 @@ class LLM:
             self.drafter = self.mtp = DraftWorker(inline=True)
             self.mtp.load_weights(self.files, self.hf_config, args.draft_buffer_sizes(), args.block_size,
                                   args.dtype, seed=args.seed, device=args.device)
+            self.mtp.release_buffer_name()   # one process: nobody else maps the buffers' shared file
             config.draft_on_device = True   # its weights and caches in this runner's plan
         self.runner = ModelRunner(self.files, self.hf_config, config, progress=progress)
         if not self.runner.num_blocks:
