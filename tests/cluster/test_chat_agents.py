@@ -100,7 +100,8 @@ def test_every_accepted_form_of_history():
                       {"role": "assistant", "tool_calls": [dict(call, function={"name": "get_weather",
                                                                                  "arguments": {"city": "巴黎"}})],
                        "reasoning": "need the tool"}):
-        for tool in ({"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        # text parts join with newlines, vLLM's rule (chat_utils._parse_chat_message_content_parts)
+        for tool in ({"role": "tool", "tool_call_id": "call_1", "content": "sun\nny"},
                      {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sun"},
                                                                              {"type": "text", "text": "ny"}]}):
             chat = chat_messages(history + [assistant, tool])
@@ -109,7 +110,7 @@ def test_every_accepted_form_of_history():
                 {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "巴黎"}}}]
             if "reasoning_content" in assistant or "reasoning" in assistant:
                 assert chat[2]["reasoning_content"] == chat[2]["reasoning"] == "need the tool"
-            assert chat[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+            assert chat[3] == {"role": "tool", "content": "sun\nny", "tool_call_id": "call_1"}
 
 
 def test_tool_choice_defaults_and_forms():
