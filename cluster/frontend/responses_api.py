@@ -81,8 +81,13 @@ def _input_items(body: dict) -> list[dict]:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            texts = [part.get("text") for part in parts if isinstance(part, dict)]
+            parts = []
+            for name in ("content", "summary"):
+                value = item.get(name)
+                if value is not None and not isinstance(value, list):
+                    raise bad_request(f"input[{i}].{name} must be a list of text parts", "input")
+                parts += value or []
+            texts = [part.get("text") if isinstance(part, dict) else None for part in parts]
             if not all(isinstance(t, str) for t in texts):
                 raise bad_request(f"input[{i}]: a reasoning item's content is text parts", "input")
             thinking = "\n".join(texts)
@@ -113,6 +118,13 @@ def _text_format(body: dict) -> dict | None:
     return {"type": fmt.get("type")}
 
 
+def _list(body: dict, name: str) -> list:
+    value = body.get(name)
+    if value is not None and not isinstance(value, list):
+        raise bad_request(f"'{name}' must be a list", name)
+    return value or []
+
+
 def parse_responses(body) -> tuple[ParsedRequest, dict]:
     """A ``/v1/responses`` body as a chat request, and the fields the response echoes.
 
@@ -127,7 +139,13 @@ def parse_responses(body) -> tuple[ParsedRequest, dict]:
                               "send the whole conversation in 'input'", param)
     if body.get("background"):
         raise bad_request("'background' responses need a response store, which this server has not", "background")
-    for i, tool in enumerate(body.get("tools") or []):
+    if body.get("n") not in (None, 1):
+        raise bad_request("'n' is not a Responses parameter: a response has one answer (send one request "
+                          "per answer)", "n")
+    if body.get("top_logprobs") not in (None, 0) or "message.output_text.logprobs" in _list(body, "include"):
+        raise bad_request("output logprobs are not supported on /v1/responses (use /v1/chat/completions "
+                          "with logprobs)", "top_logprobs" if body.get("top_logprobs") else "include")
+    for i, tool in enumerate(_list(body, "tools")):
         if isinstance(tool, dict) and tool.get("type", "function") != "function":
             raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported (only 'function')", "tools")
     reasoning = body.get("reasoning")
@@ -291,8 +309,9 @@ class ResponseBuilder:
         return events
 
 
-def responses_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict:
-    """The Responses API's ``usage``."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def responses_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int, cached_tokens: int = 0) -> dict:
+    """The Responses API's ``usage`` (all counts in tokens; ``cached_tokens``: prompt tokens read from
+    the prefix cache)."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + completion_tokens}

@@ -19,8 +19,8 @@ def _usage(core, run, builder: ResponseBuilder) -> dict:
     thinking = "".join(part["text"] for item in builder.output if item["type"] == "reasoning"
                        for part in item["content"])
     reasoning_tokens = len(core.tokenizer(thinking, add_special_tokens=False)["input_ids"]) if thinking else 0
-    return responses_usage(choice.prompt_tokens, choice.completion_tokens, min(reasoning_tokens,
-                                                                               choice.completion_tokens))
+    return responses_usage(choice.prompt_tokens, choice.completion_tokens,
+                           min(reasoning_tokens, choice.completion_tokens), choice.cached_tokens)
 
 
 def _status(run) -> tuple[str, str | None]:

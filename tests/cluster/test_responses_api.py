@@ -48,6 +48,14 @@ def test_items_become_the_chat_history_and_settings():
     ({}, "input", "required"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+    ({"input": "hi", "tools": True}, "tools", "must be a list"),
+    ({"input": "hi", "include": "reasoning.encrypted_content"}, "include", "must be a list"),
+    ({"input": [{"type": "reasoning", "summary": "thought"}, {"role": "user", "content": "hi"}]}, "input",
+     "input[0].summary must be a list"),
+    ({"input": [{"type": "reasoning", "content": [1]}, {"role": "user", "content": "hi"}]}, "input", "text parts"),
+    ({"input": "hi", "n": 2}, "n", "one answer"),
+    ({"input": "hi", "top_logprobs": 3}, "top_logprobs", "logprobs are not supported"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "logprobs are not supported"),
 ])
 def test_bad_requests_name_the_responses_field(body, param, fragment):
     with pytest.raises(OpenAIError) as err:
