@@ -125,6 +125,13 @@ class RouterServicer(pb_grpc.InferenceServicer):
             core.settle(caller, charged, 0)
             core.metrics.count("grpc", status, "timeout" if status == 408 else "rejected", caller.key_id)
             await context.abort(grpc_code(status), str(exc))
+        except asyncio.CancelledError:   # the deadline passed or the client left before the first token
+            core.settle(caller, charged, 0)
+            remaining = context.time_remaining()
+            past_deadline = remaining is not None and remaining <= 0.01
+            core.metrics.count("grpc", 408 if past_deadline else 499, "timeout" if past_deadline else "cancelled",
+                               caller.key_id)
+            raise
         run.endpoint, run.charged_tokens, run.status = "grpc", charged, 200
         client_id, failure = request.request_id or call.request_id, None
         try:
