@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
 from shardserve.cluster import cli_agents, generate_controls
+from shardserve.cluster.cli_types import finite_float, finite_floats
 from shardserve.cluster.config import QUANTIZATION_CHOICES, SPECULATIVE_POLICIES, EngineArgs
 from shardserve.cluster.dp_attention_args import add_dp_attention_flags, check_dp_attention_start, dp_attention_fields
 from shardserve.workers.compilation import COMPILE_MODES
@@ -45,7 +47,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"known model name ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint folder")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per rank in GiB")
+    parser.add_argument("--kv-cache-gib", type=finite_float, default=1.0, help="KV cache budget per rank in GiB")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length in tokens, prompt + output (default: the model's, lowered to what "
                              "the KV cache holds; a value the KV cache cannot hold is an error)")
@@ -84,7 +86,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="weights and activations (auto: bfloat16 on cuda; on cpu bfloat16 with packed "
                              "weights for Q4_0/Q4_1/Q8_0 GGUF files, else float32: the exact path)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    parser.add_argument("--gpu-memory-utilization", type=finite_float, default=0.9,
                         help="fraction (0, 1] of each GPU's memory a rank may use; the KV cache takes what weights "
                              "and activations leave (CPU ranks use --kv-cache-gib)")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -108,12 +110,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="tensor-parallel ranks (shard workers) per model replica")
-    parser.add_argument("--tensor-split", type=_floats, default=None,
+    parser.add_argument("--tensor-split", type=finite_floats, default=None,
                         help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
-    parser.add_argument("--cpus-per-worker", type=float, default=None,
+    parser.add_argument("--cpus-per-worker", type=finite_float, default=None,
                         help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs reserved per shard worker")
+    parser.add_argument("--gpus-per-worker", type=finite_float, default=0.0, help="GPUs reserved per shard worker")
     parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
                         default="PACK", help="Ray placement of a replica's coordinator and ranks (STRICT_SPREAD: "
                                              "each on a node of its own; ranks on several nodes use gloo/NCCL)")
@@ -121,7 +123,7 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
                         help="per-step dispatch to the shard workers: actor calls or a Ray Compiled Graph")
-    parser.add_argument("--recovery-timeout", type=float, default=300.0,
+    parser.add_argument("--recovery-timeout", type=finite_float, default=300.0,
                         help="seconds to repair a dead shard or draft worker in place (new actors in the same "
                              "bundles) before the replica gives up and Ray Serve replaces it; 0 = no in-place repair")
 
@@ -132,13 +134,6 @@ _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 def _unescape(text: str) -> str:
     r"""``--stop`` value with the escapes ``\n``, ``\t``, ``\r`` and ``\\`` decoded (others kept)."""
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
 
 
 def _packed_dense_rows(text: str) -> str:
@@ -339,7 +334,8 @@ def _serve_args(ns: argparse.Namespace, read_keys: bool = True):
     return ServeArgs(
         model=ns.model_arg or ns.model, served_model_name=ns.served_model_name, tensor_parallel_size=tp,
         tensor_split=ns.tensor_split,
-        cpus_per_worker=ns.cpus_per_worker or default_cpus_per_worker(tp), gpus_per_worker=ns.gpus_per_worker,
+        cpus_per_worker=default_cpus_per_worker(tp) if ns.cpus_per_worker is None else ns.cpus_per_worker,
+        gpus_per_worker=ns.gpus_per_worker,
         placement_strategy=ns.placement_strategy, cpu_collective=ns.cpu_collective, dispatch=ns.dispatch,
         grpc_host=ns.grpc_host or ns.host, drain_timeout_s=ns.drain_timeout_s,
         block_size=ns.block_size,
@@ -547,7 +543,8 @@ def _manifest(ns: argparse.Namespace) -> int:
     if any(value is not None for value in (ns.api_key, ns.api_key_file, ns.admin_api_key, ns.admin_api_key_file)):
         raise ValueError("--api-key/--api-key-file/--admin-api-key(-file) would write keys into the manifest: put "
                          "them in Secrets and pass --api-key-secret NAME[:KEY] (and --admin-api-key-secret)")
-    ns.cpus_per_worker = ns.cpus_per_worker or 1.0   # not this machine's cores: the pods' are unknown here
+    if ns.cpus_per_worker is None:   # not this machine's cores: the pods' are unknown here
+        ns.cpus_per_worker = 1.0
     cfg = _serve_args(ns, read_keys=False)
     layout = PodLayout(name=ns.name, image=ns.image, worker_pods=ns.worker_pods, gpus_per_pod=ns.gpus_per_pod,
                        memory_per_pod=ns.memory_per_pod, head_memory=ns.head_memory, shm_size=ns.shm_size,
@@ -705,15 +702,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: probability mass kept, in (0, 1]")
+    gen.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature in [0, 2]; 0 = greedy")
+    gen.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling: probability mass kept, in (0, 1]")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
     gen.add_argument("--stop", action="append",
                      help="stop string, repeatable, at most 4; the escapes \\n, \\t, \\r and \\\\ are decoded, so "
                           "--stop '\\n\\n' stops at a blank line (default: none)")
     gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="shard workers (ranks) on a local Ray cluster; 1 = everything in this process")
-    gen.add_argument("--tensor-split", type=_floats, default=None,
+    gen.add_argument("--tensor-split", type=finite_floats, default=None,
                      help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
     generate_controls.add_flags(gen)
     cli_agents.add_generate_flags(gen)
@@ -735,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--host", default="127.0.0.1",
                            help="interface the HTTP API binds (0.0.0.0: all; needs an API key or --allow-unauthenticated)")
     serve_cmd.add_argument("--app-name", default="shardserve", help="Ray Serve application name")
-    serve_cmd.add_argument("--ready-timeout", type=float, default=1800.0,
+    serve_cmd.add_argument("--ready-timeout", type=finite_float, default=1800.0,
                            help="seconds to wait for the model to load")
     serve_cmd.set_defaults(func=_serve)
 
@@ -769,7 +766,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
     parser.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
-    parser.add_argument("--drain-timeout-s", type=float, default=300.0,
+    parser.add_argument("--drain-timeout-s", type=finite_float, default=300.0,
                         help="seconds a replaced replica may take to finish its running requests (size it for "
                              "your longest completion)")
     cli_agents.add_parser_flags(parser)
@@ -786,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ServeStartError, TimeoutError) as exc:
         print(f"shardserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C in `generate` or `plan` (each `finally` has cleaned up)
+        print("shardserve: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # the reader of stdout left (`shardserve plan | head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # Python's advice: no second error at exit
+        return 1
 
 
 if __name__ == "__main__":

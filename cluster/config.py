@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from shardserve.cluster.dp_attention_args import check_dp_attention_args, check_dp_attention_model
@@ -119,8 +120,8 @@ class EngineArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.num_blocks is None and self.kv_cache_gib <= 0:
-            raise ValueError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        if self.num_blocks is None and not 0 < self.kv_cache_gib < math.inf:
+            raise ValueError(f"--kv-cache-gib must be > 0 (and finite), got {self.kv_cache_gib}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.tensor_parallel_size < 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from shardserve.cluster.cli_types import finite_float
 from shardserve.cluster.frontend.limits import (
     DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits, parse_rate_limit)
 from shardserve.cluster.frontend.security import (
@@ -46,7 +47,7 @@ def front_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-model-root", default=None,
                         help="folder weight reloads may read from, symlinks resolved (default: the served model's "
                              "folder)")
-    parser.add_argument("--reload-drain-timeout", type=float, default=DEFAULT_RELOAD_DRAIN_TIMEOUT_S,
+    parser.add_argument("--reload-drain-timeout", type=finite_float, default=DEFAULT_RELOAD_DRAIN_TIMEOUT_S,
                         help="seconds a drain reload waits for running requests before it is refused")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="largest HTTP body / gRPC message in bytes; larger gets 413 / RESOURCE_EXHAUSTED")
@@ -60,7 +61,7 @@ def front_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                         help="requests (not choices) that may wait per replica; more get HTTP 429 / "
                              "RESOURCE_EXHAUSTED")
-    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+    parser.add_argument("--request-timeout", type=finite_float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="seconds a request may take before it is aborted with HTTP 408 / DEADLINE_EXCEEDED "
                              "(0: no limit)")
     parser.add_argument("--grpc-tls-cert", default=None,

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shardserve.cluster.cli_types import finite_float
 from shardserve.cluster.engine.request import SamplingParams, StructuredOutputs
 
 
@@ -30,11 +31,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--grammar", metavar="FILE", default=None,
                        help="constrain the output to this grammar: EBNF (GBNF, start rule 'root') or Lark (default: none)")
     controls = parser.add_argument_group("sampling controls")
-    controls.add_argument("--presence-penalty", type=float, default=0.0,
+    controls.add_argument("--presence-penalty", type=finite_float, default=0.0,
                           help="in [-2, 2]: subtracted from the logit of every token already in the output")
-    controls.add_argument("--frequency-penalty", type=float, default=0.0,
+    controls.add_argument("--frequency-penalty", type=finite_float, default=0.0,
                           help="in [-2, 2]: times the token's count in the output, subtracted from its logit")
-    controls.add_argument("--repetition-penalty", type=float, default=1.0,
+    controls.add_argument("--repetition-penalty", type=finite_float, default=1.0,
                           help="> 0, 1 = off: logits of tokens in the prompt or output divided (> 0) or multiplied by it")
     controls.add_argument("--logit-bias", action="append", default=None, metavar="ID=VALUE",
                           help="add VALUE in [-100, 100] to token ID's logit; repeatable (default: none)")

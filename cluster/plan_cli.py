@@ -17,13 +17,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardserve.cluster.cli import _floats
+from shardserve.cluster.cli_types import finite_float, finite_floats
 from shardserve.workers.device import GIB
 
 
 def _gib(text: str) -> float:
     """argparse type of ``--gpu-memory-gib``: a number > 0."""
-    value = float(text)
+    value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 GiB, got {text}")
     return value
@@ -35,9 +35,9 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                         help="model to plan: a known name, a .gguf file, or an HF folder (config.json alone is "
                              "enough; default: --model)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel ranks")
-    parser.add_argument("--tensor-split", type=_floats, default=None,
+    parser.add_argument("--tensor-split", type=finite_floats, default=None,
                         help="relative share of each TP rank, e.g. 2,1 (default: even)")
-    parser.add_argument("--gpus-per-worker", type=float, default=1.0,
+    parser.add_argument("--gpus-per-worker", type=finite_float, default=1.0,
                         help="GPUs per rank; below 1 a rank plans for that share of its GPU")
     parser.add_argument("--gpu-memory-gib", type=_gib, default=None,
                         help="memory of one GPU in GiB (default: this machine's GPU; without one, --device auto "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from shardserve.cluster.cli_types import finite_float
 from shardserve.cluster.routing import DEFAULT_LOAD_MARGIN, ROUTING_POLICIES
 
 
@@ -34,14 +35,14 @@ def scaling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-replicas", type=int, default=None,
                         help="autoscaling: Serve adds replicas up to this many as the load grows (default: off, "
                              "--data-parallel-size replicas)")
-    parser.add_argument("--target-ongoing-requests", type=float, default=None,
+    parser.add_argument("--target-ongoing-requests", type=finite_float, default=None,
                         help="autoscaling: requests (running + waiting) per replica to aim at (default: half of "
                              "--max-num-seqs)")
-    parser.add_argument("--upscale-delay-s", type=float, default=30.0,
+    parser.add_argument("--upscale-delay-s", type=finite_float, default=30.0,
                         help="autoscaling: seconds the load must ask for more replicas before one is added")
-    parser.add_argument("--downscale-delay-s", type=float, default=600.0,
+    parser.add_argument("--downscale-delay-s", type=finite_float, default=600.0,
                         help="autoscaling: seconds the load must allow fewer replicas before one drains and stops")
-    parser.add_argument("--autoscaling-look-back-s", type=float, default=30.0,
+    parser.add_argument("--autoscaling-look-back-s", type=finite_float, default=30.0,
                         help="autoscaling: seconds the replicas' load is averaged over")
     parser.add_argument("--routing", choices=ROUTING_POLICIES, default=None,
                         help="replica choice: the replica whose prefix cache holds the longest prefix of the prompt "

@@ -55,6 +55,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,8 +255,12 @@ class ServeArgs:
         if self.gpus_per_worker and self.tensor_parallel_size > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: NCCL needs whole GPUs per rank "
                              f"(a fractional GPU only works at tensor_parallel_size 1)")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.drain_timeout_s < math.inf:
+            raise ValueError(f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
+        if not 0 < self.cpus_per_worker < math.inf:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if not 0 <= self.gpus_per_worker < math.inf:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         for name in ("grpc_port", "replica_grpc_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:

@@ -221,7 +221,11 @@ def test_limits_and_rates():
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "abc"], ["serve", "--port", "99999"],
                                   ["serve-grpc", "--grpc-port", "-1"], ["serve", "--bogus-flag"], ["bogus"],
-                                  ["serve", "--device", "tpu"], ["plan", "--packed-dense-rows", "\u00b2"]])
+                                  ["serve", "--device", "tpu"], ["plan", "--packed-dense-rows", "\u00b2"],
+                                  # inf / nan overflowed byte and CPU arithmetic (tracebacks) or passed unnamed
+                                  ["plan", "--kv-cache-gib", "inf"], ["plan", "--gpu-memory-gib", "nan"],
+                                  ["manifest", "--drain-timeout-s", "inf"], ["manifest", "--cpus-per-worker", "inf"],
+                                  ["generate", "--temperature", "nan", "hi"], ["plan", "-tp", "2", "--tensor-split", "1,inf"]])
 def test_usage_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
