@@ -218,6 +218,38 @@ def _validate(args: ServeArgs, layout: PodLayout) -> None:
     except ValueError as exc:
         raise LayoutError(str(exc)) from exc
     _check_keys(args, layout)
+    _check_pod_settings(args, layout)
+
+
+_RAY_PORTS = {6379: "Ray's GCS", 8265: "the Ray dashboard"}
+_MANAGED_ENV = ("SHARDSERVE_API_KEY", "SHARDSERVE_ADMIN_API_KEY")
+
+
+def _check_pod_settings(args: ServeArgs, layout: PodLayout) -> None:
+    """Ports a pod can open (1-65535, no two on one port, none of Ray's) and ``--env`` names the
+    manifest does not set itself.
+
+    Raises:
+        LayoutError: naming the flag.
+    """
+    ports = [("--port", layout.http_port), ("--grpc-port", args.grpc_port or None),
+             ("--replica-grpc-port", args.replica_grpc_port or None)]
+    if not 1 <= layout.http_port <= 65535:
+        raise LayoutError(f"--port must be a TCP port (1-65535) a pod can open, got {layout.http_port}")
+    taken: dict[int, str] = dict(_RAY_PORTS)
+    for flag, port in ports:
+        if port is None:
+            continue
+        if port in taken:
+            raise LayoutError(f"{flag} {port}: the pods use that port for {taken[port]} already; choose another")
+        taken[port] = flag
+    if layout.gpus_per_pod is not None and layout.gpus_per_pod < 0:
+        raise LayoutError(f"--gpus-per-pod must be >= 0, got {layout.gpus_per_pod}")
+    for name in layout.env:
+        if name in _MANAGED_ENV or name == POD_IP_ENV:
+            what = "comes from a Secret (--api-key-secret / --admin-api-key-secret)" if name in _MANAGED_ENV \
+                else "is set by the manifest (the pod's IP)"
+            raise LayoutError(f"--env {name}: this variable {what}; it cannot be given with --env")
 
 
 def _check_keys(args: ServeArgs, layout: PodLayout) -> None:

@@ -264,6 +264,16 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
     (["--admin-api-key-file", "/etc/keys"], "put them in Secrets and pass --api-key-secret"),
     (["--grpc-tls-cert", "/etc/shardserve/tls/tls.crt"], "--grpc-tls-cert needs --grpc-tls-key too"),
     (["--ssl-keyfile", "/etc/shardserve/tls/tls.key"], "--ssl-keyfile needs --ssl-certfile too"),
+    (["--port", "0"], "--port must be a TCP port (1-65535)"),
+    (["--port", "8265"], "--port 8265: the pods use that port for the Ray dashboard"),
+    (["--grpc-port", "6379"], "--grpc-port 6379: the pods use that port for Ray's GCS"),
+    (["--port", "9000", "--replica-grpc-port", "9000"], "--replica-grpc-port 9000: the pods use that port for --port"),
+    (["--cpus-per-worker", "-1"], "cpus_per_worker must be > 0"),
+    (["--cpus-per-worker", "0"], "cpus_per_worker must be > 0"),
+    (["--gpus-per-worker", "-1"], "gpus_per_worker must be >= 0"),
+    (["--gpus-per-pod", "-1"], "--gpus-per-pod must be >= 0"),
+    (["--env", "SHARDSERVE_API_KEY=sk-x"], "--env SHARDSERVE_API_KEY: this variable comes from a Secret"),
+    (["--env", "SHARDSERVE_POD_IP=1.2.3.4"], "set by the manifest"),
 ])
 def test_a_layout_that_cannot_fit_is_one_line_and_exit_2(bad, message, capsys):
     assert main(["manifest", "--api-key-secret", "keys", *bad]) == 2
