@@ -153,3 +153,25 @@ def test_generate_with_a_named_tool_prints_a_call_that_fits_the_schema(smollm2_f
     (call,) = answer["tool_calls"]
     assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+def test_ctrl_c_during_generate_is_one_line_and_exit_130(smollm2_files):
+    """SIGINT once the model is loaded (its log line read, not a sleep): one line, not a traceback."""
+    import signal
+
+    exe = Path(sys.executable).parent / "shardserve"
+    proc = subprocess.Popen([str(exe), "generate", "--model", str(smollm2_files.path), "--prompt", "Once upon a time",
+                             "--max-tokens", "4000", "--kv-cache-gib", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:   # wait until the weights are in: the decode loop runs next
+            if "holds weights" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, rest[-2000:]
+    assert rest.strip().splitlines()[-1] == "shardserve: interrupted" and "Traceback" not in rest, rest[-2000:]
