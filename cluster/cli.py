@@ -611,6 +611,10 @@ def _generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=[_unescape(stop) for stop in ns.stop or []])
     generate_controls.apply_flags(ns, params).validate()
+    if params.structured_outputs is not None:
+        from shardserve.cluster.frontend.structured import check_syntax
+
+        check_syntax(params.structured_outputs)
     agent = cli_agents.agent_chat(ns)
     args = _engine_args(ns)
     args.validate()

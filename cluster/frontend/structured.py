@@ -77,6 +77,34 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+def _compile_error(spec: StructuredOutputs, exc: Exception) -> ValueError:
+    reason = _NATIVE_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
+    return ValueError(f"structured_outputs: {_WHAT[spec.kind]} does not compile: {reason}")
+
+
+def check_syntax(spec: StructuredOutputs) -> None:
+    """Parse ``spec`` without a tokenizer (xgrammar's ``Grammar.from_*``), so that a bad constraint
+    is refused before a model loads. A Lark grammar is left to :meth:`GrammarCompiler.compile`: it
+    may name the tokenizer's special tokens.
+
+    Raises:
+        ValueError: as :meth:`GrammarCompiler.compile` would.
+    """
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json":
+            xgr.Grammar.from_json_schema(spec.value, any_whitespace=not spec.disable_any_whitespace)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.value)
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(spec.value))
+        elif spec.kind == "grammar" and "::=" in spec.value:
+            xgr.Grammar.from_ebnf(spec.value)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise _compile_error(spec, exc) from None
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, in a thread pool, with a cache.
 
@@ -138,8 +166,7 @@ class GrammarCompiler:
                 return compiler.compile_grammar(spec.value)
             return compiler.compile_lark(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            reason = _NATIVE_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
-            raise ValueError(f"structured_outputs: {_WHAT[spec.kind]} does not compile: {reason}") from None
+            raise _compile_error(spec, exc) from None
 
     def submit(self, spec: StructuredOutputs) -> Future:
         """Compile in the pool; concurrent submissions of one constraint share one compile."""

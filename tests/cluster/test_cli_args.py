@@ -80,6 +80,7 @@ def nothing_loads(monkeypatch):
     (["--prompt", ""], "--prompt must not be empty"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--packed-dense-rows", "99999999999999999999"], "exceeds --max-num-batched-tokens 2048"),
+    (["--regex", "("], "structured_outputs: the regex does not compile"),
 ])
 def test_generate_checks_its_arguments_before_loading_the_model(flags, message, nothing_loads, capsys):
     argv = ["generate", "--prompt", "hi"] + flags
