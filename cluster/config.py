@@ -215,7 +215,10 @@ class EngineArgs:
             ValueError: ``max_model_len`` is more than the model's context length
                 (``max_position_embeddings``: the length of its RoPE table; positions past it have no
                 rotation), as vLLM refuses it; ``enable_dp_attention`` on a model without MLA or
-                without MoE (:func:`cluster.dp_attention_args.check_dp_attention_model`).
+                without MoE (:func:`cluster.dp_attention_args.check_dp_attention_model`); a DSA
+                setting (``--dsa``, ``--dsa-top-k``, ``--dsa-sink``, ``--indexer-cache-dtype fp8``)
+                on a model without DSA's indexer (no ``index_topk`` in its config), which would
+                ignore it (``--no-dsa`` stays allowed: dense attention is what such a model runs).
         """
         from shardserve.workers.model_source import model_context_length
 
@@ -225,6 +228,13 @@ class EngineArgs:
                              f"{limit} tokens (max_position_embeddings in its config); lower --max-model-len to at "
                              f"most {limit}")
         check_dp_attention_model(self, hf_config)
+        asked = [flag for flag, on in (("--dsa", self.dsa is True), ("--dsa-top-k", self.dsa_top_k is not None),
+                                       ("--dsa-sink", self.dsa_sink > 0),
+                                       ("--indexer-cache-dtype fp8", self.indexer_cache_dtype == "fp8")) if on]
+        if asked and not hasattr(hf_config, "index_topk"):
+            raise ValueError(f"{', '.join(asked)}: this model has no DSA indexer (DeepSeek-V3.2 / GLM-5 have one; "
+                             f"{getattr(hf_config, 'model_type', 'this one')} does not), so the setting would do "
+                             "nothing")
 
     def fit_max_model_len(self, model_max_len: int, num_blocks: int) -> int:
         """The context length to serve: one sequence of that length must fit the KV pool

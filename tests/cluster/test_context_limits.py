@@ -41,6 +41,18 @@ def test_a_max_model_len_above_the_models_context_is_refused():
     EngineArgs().check_model_limits(config)
 
 
+@pytest.mark.parametrize("setting,flag", [({"dsa": True}, "--dsa"), ({"dsa_top_k": 8}, "--dsa-top-k"),
+                                          ({"dsa_sink": 1}, "--dsa-sink"),
+                                          ({"indexer_cache_dtype": "fp8"}, "--indexer-cache-dtype fp8")])
+def test_dsa_settings_on_a_model_without_an_indexer_are_refused(setting, flag):
+    """They did nothing there; ``--no-dsa`` (dense attention, what such a model runs) stays allowed."""
+    llama = SimpleNamespace(max_position_embeddings=8192, model_type="llama")
+    with pytest.raises(ValueError, match=f"^{flag}: this model has no DSA indexer .* llama does not"):
+        EngineArgs(**setting).check_model_limits(llama)
+    EngineArgs(dsa=False).check_model_limits(llama)
+    EngineArgs(**setting).check_model_limits(SimpleNamespace(max_position_embeddings=8192, index_topk=64))
+
+
 def test_without_max_model_len_the_limit_is_lowered_to_the_pool_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="shardserve.cluster.config"):
         assert EngineArgs(block_size=BLOCK).fit_max_model_len(8192, BLOCKS) == 96
