@@ -60,8 +60,9 @@ def structured_outputs(ns: argparse.Namespace) -> StructuredOutputs | None:
         ValueError: an unreadable file, a schema that is not JSON, or an empty value.
     """
     if ns.json_schema is not None:
+        text = _read(ns.json_schema, "--json-schema")
         try:
-            return StructuredOutputs.json_schema(_read(ns.json_schema, "--json-schema"))
+            return StructuredOutputs.json_schema(text)
         except ValueError as exc:
             raise ValueError(f"--json-schema {ns.json_schema}: {exc}") from None
     if ns.json_object:

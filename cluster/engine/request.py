@@ -247,8 +247,9 @@ class SamplingParams:
 def _check_token_id(name: str, token_id, vocab_size: int | None) -> None:
     if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or (
             vocab_size is not None and token_id >= vocab_size):
-        bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative integers"
-        raise ValueError(f"{name}: token id {token_id!r} is outside the vocabulary {bound}")
+        if vocab_size is None:
+            raise ValueError(f"{name}: token ids are non-negative integers, got {token_id!r}")
+        raise ValueError(f"{name}: token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
 
 
 def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:

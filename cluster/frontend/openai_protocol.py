@@ -90,10 +90,12 @@ def internal_error() -> OpenAIError:
                        "internal_error")
 
 
-def engine_rejected(message: str, param: str, structured_param: str | None = None) -> OpenAIError:
+def engine_rejected(message: str, param: str, structured_param: str | None = None,
+                    max_tokens_param: str = "max_tokens") -> OpenAIError:
     """A 400 for the engine's INVALID_ARGUMENT (context length gets OpenAI's code; the field named
-    is ``max_tokens`` when that is what does not fit; a constraint that does not compile, whose
-    message starts ``structured_outputs:``, names ``structured_param``, the field it came from)."""
+    is ``max_tokens_param``, the request's own name for it, when that is what does not fit; a
+    constraint that does not compile, whose message starts ``structured_outputs:``, names
+    ``structured_param``, the field it came from)."""
     if message.startswith("structured_outputs:") and structured_param:
         return bad_request(message, structured_param)
     named = re.match(r"([a-z_]+)\b", message)
@@ -101,7 +103,9 @@ def engine_rejected(message: str, param: str, structured_param: str | None = Non
         return bad_request(message, named.group(1))
     if "context length" not in message:
         return bad_request(message, param)
-    return bad_request(message, "max_tokens" if "max_tokens" in message else param, "context_length_exceeded")
+    if "max_tokens" in message:
+        return bad_request(message.replace("max_tokens", max_tokens_param), max_tokens_param, "context_length_exceeded")
+    return bad_request(message, param, "context_length_exceeded")
 
 
 def load_body(raw: bytes):
@@ -169,6 +173,7 @@ class ParsedRequest:
     structured: StructuredOutputs | None = None
     structured_param: str | None = None
     chat: object = None                         # chat: cluster.frontend.chat_request.ChatOptions
+    max_tokens_param: str = "max_tokens"        # or max_completion_tokens: the field errors name
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -383,7 +388,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         sampling["ignore_eos"] = True
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
     return ParsedRequest(kind, model, [], n, stream, bool(options.get("include_usage")), sampling, seed,
-                         None, max_tokens, _cache_salt(body), structured, structured_param)
+                         None, max_tokens, _cache_salt(body), structured, structured_param, max_tokens_param=max_name)
 
 
 def _controls(body: dict, max_tokens: int | None) -> dict:

@@ -610,7 +610,7 @@ class RouterCore:
             code = failure.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise engine_rejected(failure.details(), "messages" if parsed.kind == "chat" else "prompt",
-                                      parsed.structured_param)
+                                      parsed.structured_param, parsed.max_tokens_param)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise timed_out(self._timeout_message())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

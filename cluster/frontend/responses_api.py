@@ -173,6 +173,7 @@ def parse_responses(body) -> tuple[ParsedRequest, dict]:
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
     parsed.stream = stream
+    parsed.max_tokens_param = "max_output_tokens"   # what the engine's context-length error names
     echo = {"instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or
             ("auto" if body.get("tools") else "none"), "parallel_tool_calls": parsed.chat.parallel_tool_calls,

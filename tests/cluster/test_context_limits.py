@@ -70,5 +70,8 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused_at_once():
     front = engine_rejected(str(err.value), "prompt")
     assert (front.status, front.code, front.param) == (400, "context_length_exceeded", "max_tokens")
     assert "context length is 64 tokens" in front.message and "max_tokens <= 4" in front.message
+    renamed = engine_rejected(str(err.value), "messages", max_tokens_param="max_completion_tokens")
+    assert renamed.param == "max_completion_tokens" and "max_completion_tokens <= 4" in renamed.message
+    assert "max_tokens" not in renamed.message
     core.validate(prompt, SamplingParams(max_tokens=4))            # exactly the context: accepted
     core.validate(prompt, SamplingParams(max_tokens=None))         # up to the context: accepted
