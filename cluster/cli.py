@@ -114,7 +114,8 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
                         help="relative share of each TP rank, e.g. 2,1 (whole KV groups per rank; default: even)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     parser.add_argument("--cpus-per-worker", type=finite_float, default=None,
-                        help="CPUs reserved per shard worker (default: this machine's cores / TP size)")
+                        help="CPUs reserved per shard worker (default: this machine's cores / TP size; "
+                             "manifest: 1, the pods' cores are unknown here)")
     parser.add_argument("--gpus-per-worker", type=finite_float, default=0.0, help="GPUs reserved per shard worker")
     parser.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
                         default="PACK", help="Ray placement of a replica's coordinator and ranks (STRICT_SPREAD: "
