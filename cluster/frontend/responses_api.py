@@ -148,6 +148,12 @@ def parse_responses(body) -> tuple[ParsedRequest, dict]:
     for i, tool in enumerate(_list(body, "tools")):
         if isinstance(tool, dict) and tool.get("type", "function") != "function":
             raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported (only 'function')", "tools")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise bad_request(f"'truncation' must be 'auto' or 'disabled', got {body['truncation']!r}", "truncation")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise bad_request("'metadata' must be an object of string keys and string values", "metadata")
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad_request("'reasoning' must be an object", "reasoning")

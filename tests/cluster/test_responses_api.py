@@ -54,6 +54,9 @@ def test_items_become_the_chat_history_and_settings():
      "input[0].summary must be a list"),
     ({"input": [{"type": "reasoning", "content": [1]}, {"role": "user", "content": "hi"}]}, "input", "text parts"),
     ({"input": "hi", "n": 2}, "n", "one answer"),
+    ({"input": "hi", "truncation": "sometimes"}, "truncation", "'auto' or 'disabled'"),
+    ({"input": "hi", "metadata": ["a"]}, "metadata", "string values"),
+    ({"input": "hi", "metadata": {"a": 1}}, "metadata", "string values"),
     ({"input": "hi", "top_logprobs": 3}, "top_logprobs", "logprobs are not supported"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "logprobs are not supported"),
 ])
