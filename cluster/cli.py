@@ -544,6 +544,10 @@ def _manifest(ns: argparse.Namespace) -> int:
     if any(value is not None for value in (ns.api_key, ns.api_key_file, ns.admin_api_key, ns.admin_api_key_file)):
         raise ValueError("--api-key/--api-key-file/--admin-api-key(-file) would write keys into the manifest: put "
                          "them in Secrets and pass --api-key-secret NAME[:KEY] (and --admin-api-key-secret)")
+    for flag, given in (("--address", ns.address is not None), ("--allow-ray-without-auth", ns.allow_ray_without_auth)):
+        if given:
+            raise ValueError(f"{flag} applies to a Ray cluster `serve` joins; the RayService starts its own (KubeRay "
+                             "sets its address and authentication)")
     if ns.cpus_per_worker is None:   # not this machine's cores: the pods' are unknown here
         ns.cpus_per_worker = 1.0
     cfg = _serve_args(ns, read_keys=False)

@@ -274,6 +274,8 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
     (["--gpus-per-pod", "-1"], "--gpus-per-pod must be >= 0"),
     (["--env", "SHARDSERVE_API_KEY=sk-x"], "--env SHARDSERVE_API_KEY: this variable comes from a Secret"),
     (["--env", "SHARDSERVE_POD_IP=1.2.3.4"], "set by the manifest"),
+    (["--address", "10.0.0.1:6379"], "--address applies to a Ray cluster `serve` joins"),
+    (["--allow-ray-without-auth"], "the RayService starts its own"),
 ])
 def test_a_layout_that_cannot_fit_is_one_line_and_exit_2(bad, message, capsys):
     assert main(["manifest", "--api-key-secret", "keys", *bad]) == 2
