@@ -164,9 +164,13 @@ def _group_config(ns: argparse.Namespace):
     from shardserve.cluster.replica.worker_group import GroupConfig
 
     tp = ns.tensor_parallel_size
-    return GroupConfig(tensor_parallel_size=tp,
-                       cpus_per_worker=getattr(ns, "cpus_per_worker", None) or default_cpus_per_worker(tp),
-                       gpus_per_worker=getattr(ns, "gpus_per_worker", 0.0),
+    cpus, gpus = getattr(ns, "cpus_per_worker", None), getattr(ns, "gpus_per_worker", 0.0)
+    if cpus is not None and not cpus > 0:
+        raise ValueError(f"--cpus-per-worker must be > 0, got {cpus}")
+    if not gpus >= 0:
+        raise ValueError(f"--gpus-per-worker must be >= 0, got {gpus}")
+    return GroupConfig(tensor_parallel_size=tp, cpus_per_worker=default_cpus_per_worker(tp) if cpus is None else cpus,
+                       gpus_per_worker=gpus,
                        strategy=getattr(ns, "placement_strategy", "PACK"),
                        collective=getattr(ns, "cpu_collective", None), dispatch=getattr(ns, "dispatch", "calls"),
                        device=ns.device)

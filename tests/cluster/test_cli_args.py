@@ -116,6 +116,9 @@ def test_quantization_of_a_known_gguf_model_is_refused_before_anything_loads(com
     (["--rate-limit", "ten"], "--rate-limit takes REQUESTS[,TOKENS]"),
     (["--api-key", "same", "--admin-api-key", "same"], "must not also be an inference API key"),
     (["--host", "0.0.0.0"], "--host 0.0.0.0 would let anyone who reaches it use the model"),
+    (["--cpus-per-worker", "-1"], "must be > 0, got -1.0"),
+    (["--cpus-per-worker", "0"], "must be > 0, got 0.0"),   # was silently the default
+    (["--gpus-per-worker", "-1"], "must be >= 0, got -1.0"),
 ])
 def test_front_door_settings_are_checked_before_ray_starts(command, flags, message, nothing_loads, capsys):
     code, err = run_main([command, "--model", "smollm2-135m-instruct"] + flags, capsys)
