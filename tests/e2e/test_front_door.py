@@ -474,6 +474,35 @@ def test_a_one_second_grpc_deadline_ends_a_500_token_request_and_frees_every_blo
     wait_idle(front, timeout_s=15)   # the replica aborted it: every block is free again
 
 
+def test_grpc_calls_that_end_before_the_first_token_are_counted_at_the_router(front):
+    """The router's endpoint, a 1000-token prompt whose prefill outlasts the call: a 0.2 s deadline
+    counts as a timeout, a client that cancels once the replica runs its prefill as cancelled (the
+    router's handler is cancelled while it waits for the first token: that was counted nowhere, and
+    a token charge was kept); the replica frees its blocks either way."""
+    def counted(outcome: str, status: int) -> float:
+        name = f'shardserve_requests_total{{endpoint="grpc",outcome="{outcome}",status="{status}"}}'
+        return front.metrics().get(name, 0)
+
+    ids = [100 + (i * 37) % 40000 for i in range(1000)]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=4))
+    credentials = grpc.ssl_channel_credentials(front.cert.read_bytes())
+    with grpc.secure_channel(front.grpc_endpoint, credentials) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        wait_idle(front)
+        timeouts = counted("timeout", 408)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, metadata=AUTH, timeout=0.2))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for("the timeout counted", lambda: counted("timeout", 408) == timeouts + 1, 30)
+        wait_idle(front, timeout_s=15)
+        cancels = counted("cancelled", 499)
+        call = stub.Generate(request, metadata=AUTH, timeout=60)
+        wait_for("the prefill running", lambda: any(replica_info(front, i).num_running for i in range(2)), 30)
+        call.cancel()
+        wait_for("the cancel counted", lambda: counted("cancelled", 499) == cancels + 1, 30)
+        wait_idle(front, timeout_s=15)
+
+
 # -- the same app in this process, over this server's replicas ----------------------------------------
 
 
