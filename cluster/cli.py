@@ -161,16 +161,13 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def _group_config(ns: argparse.Namespace):
     from shardserve.cluster.replica.coordinator import default_cpus_per_worker
-    from shardserve.cluster.replica.worker_group import GroupConfig
+    from shardserve.cluster.replica.worker_group import GroupConfig, check_worker_resources
 
     tp = ns.tensor_parallel_size
     cpus, gpus = getattr(ns, "cpus_per_worker", None), getattr(ns, "gpus_per_worker", 0.0)
-    if cpus is not None and not cpus > 0:
-        raise ValueError(f"--cpus-per-worker must be > 0, got {cpus}")
-    if not gpus >= 0:
-        raise ValueError(f"--gpus-per-worker must be >= 0, got {gpus}")
-    return GroupConfig(tensor_parallel_size=tp, cpus_per_worker=default_cpus_per_worker(tp) if cpus is None else cpus,
-                       gpus_per_worker=gpus,
+    cpus = default_cpus_per_worker(tp) if cpus is None else cpus
+    check_worker_resources(cpus, gpus)
+    return GroupConfig(tensor_parallel_size=tp, cpus_per_worker=cpus, gpus_per_worker=gpus,
                        strategy=getattr(ns, "placement_strategy", "PACK"),
                        collective=getattr(ns, "cpu_collective", None), dispatch=getattr(ns, "dispatch", "calls"),
                        device=ns.device)

@@ -74,7 +74,7 @@ from shardserve.cluster.frontend.limits import (
 from shardserve.cluster.frontend.security import (
     DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_RELOAD_DRAIN_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, FrontConfig, key_digest,
     load_admin_keys, load_api_keys, refuse_exposed)
-from shardserve.cluster.replica.worker_group import GroupConfig
+from shardserve.cluster.replica.worker_group import GroupConfig, check_worker_resources
 from shardserve.cluster.routing import DEFAULT_LOAD_MARGIN, LEAST_LOADED, PREFIX_AWARE, ROUTING_POLICIES, RoutingPolicy
 from shardserve.workers.model_source import DEFAULT_MODEL, check_model, known_model_names
 
@@ -257,10 +257,7 @@ class ServeArgs:
                              f"(a fractional GPU only works at tensor_parallel_size 1)")
         if not 0 <= self.drain_timeout_s < math.inf:
             raise ValueError(f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
-        if not 0 < self.cpus_per_worker < math.inf:
-            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
-        if not 0 <= self.gpus_per_worker < math.inf:
-            raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        check_worker_resources(self.cpus_per_worker, self.gpus_per_worker)
         for name in ("grpc_port", "replica_grpc_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,19 @@ class GroupConfig:
     collective: str | None = None       # CPU: "shm" or "gloo"; None = pick by placement
     dispatch: str = "calls"             # "calls" (actor calls) or "compiled" (Ray Compiled Graph); as the CLI
     device: str = "auto"                # --device: "cpu" keeps CPU collectives even on GPU bundles
+
+
+def check_worker_resources(cpus_per_worker: float, gpus_per_worker: float) -> None:
+    """Each rank's Ray resources: CPUs > 0 and GPUs >= 0, both finite (``serve``, ``serve-grpc``,
+    ``generate -tp N``, ``manifest`` and ``serve_config.yaml`` alike).
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    if not 0 < cpus_per_worker < math.inf:
+        raise ValueError(f"cpus_per_worker must be > 0, got {cpus_per_worker}")
+    if not 0 <= gpus_per_worker < math.inf:
+        raise ValueError(f"gpus_per_worker must be >= 0, got {gpus_per_worker}")
 
 
 DRAFT_SHARE = 0.01   # of rank 0's bundle (CPUs and GPUs) reserved for the MTP draft actor
