@@ -130,7 +130,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
         0, expert, torch.ones_like(expert))                                           # [E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded.narrow(0, num_experts, 1).zero_()     # a kernel: `padded[E] = 0` is a host-to-device copy
     padded_end = torch.cumsum(padded, 0)
     count_start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]       # rank within its expert

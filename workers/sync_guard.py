@@ -12,8 +12,9 @@ graphs, :class:`workers.cuda_graphs.DecodeGraphs` with ``backend="replay"``, run
 - data-dependent shapes: ``nonzero`` / ``torch.where(cond)`` / ``argwhere``, boolean-mask indexing
   (``x[mask]``, ``x[mask] = y``), ``masked_select``, ``unique``, ``bincount`` (CUDA reads its
   min/max back), ``repeat_interleave`` with tensor repeats and no ``output_size``;
-- host data put on the device inside the step (``torch.tensor(list)``: a host-to-device copy in
-  the captured stream).
+- host data put on the device inside the step (``torch.tensor(list)``, or a Python number written
+  into one element, ``x[i] = 0``: host-to-device copies from pageable memory, which a CUDA capture
+  refuses; ``x[i:j] = 0`` and ``fill_`` are device fills and pass).
 
 Triton kernels run under the interpreter on CPU (``TRITON_INTERPRET=1``) copy their arguments to
 host buffers; the guard is suspended inside a launch (the launch itself is what a GPU captures).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -61,7 +63,7 @@ def _why(func, args, kwargs) -> str | None:
         return _FORBIDDEN[packet]
     if packet is aten.where and len(args) == 1:   # torch.where(cond) (not decomposed in inference mode)
         return "data-dependent shape (torch.where(cond) is nonzero)"
-    if packet is aten.lift_fresh and args[0].dim() > 0:   # 0-dim: a Python scalar (`x[i] = 0.0`), filled on device
+    if packet is aten.lift_fresh and args[0].dim() > 0:   # 0-dim: a Python number; its copy_ is checked by the mode
         return "host data copied to the device inside the step (torch.tensor(list))"
     if packet in _BOOL_INDEX_OPS:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
@@ -90,13 +92,21 @@ class _NoHostSyncMode(TorchDispatchMode):
     def __init__(self, where: str, uploads: bool) -> None:
         super().__init__()
         self.where, self.uploads = where, uploads
+        self._host_scalars: weakref.WeakSet = weakref.WeakSet()   # 0-dim tensors made from Python numbers
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = _why(func, args, kwargs)
+        if why is None and func.overloadpacket is aten.copy_ and not self.uploads and len(args) > 1 \
+                and args[1] in self._host_scalars:
+            why = ("copies a Python number into a tensor element (`x[i] = 0`: a host-to-device copy from "
+                   "pageable memory, refused by a CUDA capture): use x[i:i + 1].fill_(v) or x.narrow(...).zero_()")
         if why is not None and not (self.uploads and func.overloadpacket is aten.lift_fresh):
             raise HostSyncError(f"{func} in {self.where}: {why}")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func.overloadpacket is aten.lift_fresh and args[0].dim() == 0:
+            self._host_scalars.add(out)
+        return out
 
 
 _depth = 0   # > 0 while a guarded region runs (the patched Tensor methods check it)

@@ -4,7 +4,8 @@ kernels run by the interpreter: the ops CUDA would run).
 
 The oracle is :func:`workers.sync_guard.no_host_sync`, a ``TorchDispatchMode`` that raises on
 ``.item()`` / ``.tolist()`` / ``bool(tensor)``, ``nonzero`` / ``torch.where(cond)``, boolean-mask
-indexing, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``; the first test
+indexing, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``, a Python number
+written into one element (a host-to-device copy); the first test
 shows it catches each of them. On f264366 the decode forwards fail it (``bincount`` in the MoE
 alignment, ``torch.where(cond)`` in the MoE reference, ``nonzero`` in the recurrent reference).
 Tiny shapes: the prefill runs on the torch path, only the decode step is interpreted.
@@ -40,6 +41,7 @@ FORBIDDEN = {
     "repeat_interleave": lambda: x.repeat_interleave(torch.ones(6, dtype=torch.long)),
     "host list": lambda: torch.tensor([1, 2]), "masked_select": lambda: x.masked_select(x > 2),
     "argwhere": lambda: torch.argwhere(x), "equal": lambda: torch.equal(x, x),
+    "element assign": lambda: x.clone().__setitem__(2, 0),   # moe_align's `padded[E] = 0` failed capture on an H200
 }
 
 
@@ -54,6 +56,10 @@ def test_the_guard_catches_each_host_sync(name, inference):
         torch.where(x > 2, x, 0.0)
         x.repeat_interleave(torch.ones(6, dtype=torch.long), output_size=6)
         torch.zeros(3).scatter_add_(0, torch.zeros(6, dtype=torch.long), x)
+        y = x.clone()
+        y.narrow(0, 2, 1).zero_()
+        y[3:4] = 0.0
+        y[4] = x[0]
 
 
 @pytest.fixture(scope="module")
