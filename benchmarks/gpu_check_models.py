@@ -87,7 +87,8 @@ def placement(ctx: Context, report: Report) -> None:
             driver = PlanDriver(runner)
             first = driver.step({"a": list(range(3, 30)), "b": [5, 6, 7]})
             driver.greedy(first, 1 if ctx.dry else 3)
-            input_ids, meta, rows = runner._prepare_inputs(driver.plan({"a": [7]}))
+            with torch.inference_mode():   # as the runner's own step: its buffers are inference tensors
+                input_ids, meta, rows = runner._prepare_inputs(driver.plan({"a": [7]}))
             inputs = [("input_ids", input_ids), ("rows", rows), ("slot_mapping", meta.slot_mapping),
                       ("block_tables", meta.block_tables), ("seq_lens", meta.seq_lens)]
             wrong = runner.tensors_off_device(*inputs)
@@ -240,7 +241,8 @@ def _host_time(ctx: Context, report: Report, runner) -> None:
     for _ in range(50 if ctx.device == "cuda" else 3):
         ctx.sync()
         begin = time.perf_counter()
-        runner.graphs.run(host, runner.stager)
+        with torch.inference_mode():   # as the runner's own step: the graphs' buffers are inference tensors
+            runner.graphs.run(host, runner.stager)
         samples.append(time.perf_counter() - begin)
     ctx.sync()
     micros = sorted(samples)[len(samples) // 2] * 1e6

@@ -27,8 +27,10 @@ def _hadamard_kernel(x_ptr, out_ptr, num_rows, stride_x, stride_o, scale,
     first = (tl.arange(0, 2) == 0)[None, None, :, None]           # [1, 1, 2, 1]: u slot vs v slot
     sign = tl.where(first, 1.0, -1.0)
     for stage in tl.static_range(LOG_N):
-        width: tl.constexpr = 1 << stage
-        pairs = tl.reshape(x, [BLOCK_M, N // (2 * width), 2, width])
+        # shape [rows, n / 2c, 2, c], c = 2**stage, written inline: a local `c = 1 << stage` is a
+        # tensor to the compiler (a shape needs constexpr ints; annotating it constexpr is refused
+        # as a reassignment across the unrolled stages)
+        pairs = tl.reshape(x, [BLOCK_M, N >> (stage + 1), 2, 1 << stage])
         total = tl.sum(pairs, axis=2)                                # u + v   [BLOCK_M, N / 2c, c]
         diff = tl.sum(pairs * sign, axis=2)                          # u - v
         pairs = tl.where(first, total[:, :, None, :], diff[:, :, None, :])

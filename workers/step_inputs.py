@@ -100,7 +100,8 @@ class DeviceStager:
         if self._copied is not None:
             self._copied.synchronize()
         if self._staging is None or self._staging.numel() < count:
-            self._staging = torch.empty(max(count, 1 << 16), dtype=torch.int64, pin_memory=True)
+            with torch.inference_mode(False):   # a normal tensor: written in and outside inference mode
+                self._staging = torch.empty(max(count, 1 << 16), dtype=torch.int64, pin_memory=True)
         staging = self._staging[:count]
         staging.copy_(host)
         dst = torch.empty(count, dtype=torch.int64, device=self.device) if out is None else out[:count]
