@@ -138,6 +138,10 @@ def attention_cases(dtype, small: bool) -> list[Case]:
         cases.append(Case(f"paged_attention decode B{b} ctx{ctx} H{heads}/{kv_heads} D{head_dim} bs16", dtype,
                           lambda a=args: paged_attention_triton(*a), lambda a=args: paged_attention_ref(*a),
                           work=2 * b * ctx * kv_heads * head_dim * size))
+    if small:   # small contexts never split by themselves: force the split-K path and its combine kernel
+        cases.append(Case(f"paged_attention decode B{b} ctx{ctx} H{heads}/{kv_heads} D{head_dim} bs16 3 splits", dtype,
+                          lambda a=args: paged_attention_triton(*a, num_splits=3), lambda a=args: paged_attention_ref(*a),
+                          work=2 * b * ctx * kv_heads * head_dim * size))
     # GQA varlen prefill (chunked): TFLOP/s.
     qlen, ctx_p, nseq = (5, 40, 2) if small else (512, 2048, 4)
     table, lens, (kc, vc) = _paged([ctx_p] * nseq, 64, (kv_heads, head_dim), dtype, 2)
@@ -157,6 +161,12 @@ def attention_cases(dtype, small: bool) -> list[Case]:
                       lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx),
                       lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx),
                       work=batch * ctx * (rank + rope) * size))
+    if small:
+        cases.append(Case(f"mla decode B{batch} ctx{ctx} H{heads} L{rank}+{rope} bs64 3 splits", dtype,
+                          lambda: mla_attention_triton(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx,
+                                                       num_splits=3),
+                          lambda: mla_attention_ref(q_nope, q_pe, cache, table, lens, scale, max_seq_len=ctx),
+                          work=batch * ctx * (rank + rope) * size))
     topk_idx = torch.stack([torch.randperm(ctx - i, device=DEVICE)[:topk] for i in range(batch)]).to(torch.int32)
     topk_idx[:, -3:] = -1
     cases.append(Case(f"mla sparse decode B{batch} topk{topk} H{heads}", dtype,
