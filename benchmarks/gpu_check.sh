@@ -13,8 +13,8 @@
 #
 # Python: $PYTHON, else python3 when it has torch + triton, else the project's .venv. Where shardserve
 # is not installed (a bare GPU machine), a shim folder maps shardserve.{cluster,workers,kernels,proto}
-# to this checkout. Wheels and the SmolLM2 file carried in .gpu_carry/ (benchmarks/gpu_prepare.sh)
-# are installed/placed first.
+# to this checkout. The packages and the SmolLM2 file carried in .gpu_carry/ (benchmarks/gpu_prepare.sh)
+# are unpacked/placed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -28,9 +28,11 @@ if ! has torch triton; then
     echo "gpu_check: $PY cannot import torch and triton; set PYTHON=/path/to/python or run 'make install'" >&2
     exit 2
 fi
-if [ -d .gpu_carry/wheels ] && ls .gpu_carry/wheels/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
-        .gpu_carry/wheels/*.whl
+# The carried packages are built for one CPython (the GPU image's): used only by that version.
+SITE=".gpu_carry/site-cp$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])').tar.xz"
+if [ -f "$SITE" ]; then
+    rm -rf /tmp/gpu_check_site && mkdir -p /tmp/gpu_check_site
+    tar -C /tmp/gpu_check_site -xJf "$SITE"
     export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ls .gpu_carry/smollm2.part-* >/dev/null 2>&1; then
