@@ -269,6 +269,8 @@ class AdaptivePolicy(FixedPolicy):
         self.accepted = 0                               # accepted drafts of the step being recorded
         self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
         self.chosen = 0                                 # deepest draft of the fits' last choice (0: none or a probe)
+        self.version = 0                                # bumped whenever an acceptance estimate may change
+        self.reach_cache: dict[str, tuple[int, int, list[float]]] = {}   # req -> (version, max depth, reach)
 
     # -- observations ----------------------------------------------------------------------------
     def observe_step(self, num_seqs: int, prompt_tokens: int, num_drafts: int, seconds: float) -> None:
@@ -312,11 +314,14 @@ class AdaptivePolicy(FixedPolicy):
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.accepted += num_accepted
+        self.version += 1
         self.requests.setdefault(req_id, _Acceptance()).add(num_drafts, num_accepted)
         self.pool.add(num_drafts, num_accepted, POOL_DECAY)
 
     def forget(self, req_id: str) -> None:
         """``req_id`` finished: its first-draft acceptance joins the spread of requests'."""
+        self.reach_cache.pop(req_id, None)
+        self.version += 1
         mine = self.requests.pop(req_id, None)
         if mine is not None and mine.trials and mine.trials[0] >= SPREAD_MIN_TRIALS:
             self.spread.add(mine.hits[0] / mine.trials[0], self.pool.hits[0] / self.pool.trials[0], mine.trials[0])
@@ -395,6 +400,18 @@ class AdaptivePolicy(FixedPolicy):
             rates.append(min(1.0, mean + (mean * (1.0 - mean) / count) ** 0.5))
         return rates
 
+    def _reach_of(self, candidate: Candidate) -> list[float]:
+        """``_reach(acceptance(req), max_depth)``, recomputed only after an acceptance observation or a
+        finished request (what it depends on). While the policy drafts nothing, nothing is observed,
+        and recomputing it for every request every step was most of a cold step's bookkeeping:
+        0.12 ms a step at batch 32, ~1 % of the demo model's step (issue 31)."""
+        cached = self.reach_cache.get(candidate.req_id)
+        if cached is not None and cached[0] == self.version and cached[1] == candidate.max_depth:
+            return cached[2]
+        reach = _reach(self.acceptance(candidate.req_id), candidate.max_depth)
+        self.reach_cache[candidate.req_id] = (self.version, candidate.max_depth, reach)
+        return reach
+
     def _costs_known(self) -> bool:
         return min(self.plain.count, self.verify.count, self.draft.count) >= MIN_OBSERVATIONS
 
@@ -421,14 +438,15 @@ class AdaptivePolicy(FixedPolicy):
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
             return [min(depth, c.max_depth) for c in candidates]
-        reach = [_reach(self.acceptance(c.req_id), c.max_depth) for c in candidates]   # prod c_i per depth
+        reach = [self._reach_of(c) for c in candidates]                                # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         plain_rate = num_seqs / plain_s
         per_token = max(self.verify.w[1] + self.draft.w[2], 0.0)                       # one more draft token
         floor = per_token * plain_rate                                                 # tokens it must bring
         best_rate, best = DRAFT_MARGIN * plain_rate, [0] * num_seqs
+        paying = [_cut(r, len(r), floor) for r in reach]     # reach falls with depth: a cut is a prefix
         for depth in range(1, self.max_depth + 1):
-            choice = [_cut(r, depth, floor) for r in reach]
+            choice = [min(depth, p) for p in paying]
             if not any(choice):
                 continue
             if self._vetoed(num_seqs, max(choice)):
