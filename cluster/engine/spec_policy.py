@@ -258,7 +258,8 @@ class AdaptivePolicy(FixedPolicy):
         self.requests: dict[str, _Acceptance] = {}
         self.spread = _Spread()                         # of finished requests' first-draft acceptance
         self.warm = True                                # the last decision keeps the draft cache filled
-        self.cold_steps = 0
+        self.cold_steps: dict[int, int] = {}           # batch-size bucket -> cold steps at it since its last
+        self.last_bucket = 0                            # probe or warm step; the bucket of the last decision
         self.warm_idle = 0                              # warm steps in a row that drafted nothing
         self.drafting_steps = 0                         # since the last re-measuring step
         self.rechecks = 0
@@ -370,7 +371,8 @@ class AdaptivePolicy(FixedPolicy):
 
     def _probe_due(self, num_seqs: int) -> bool:
         bucket = _bucket(num_seqs)
-        return self.cold_steps >= self.probe_intervals.get(bucket, MIN_PROBE_INTERVAL) or bucket not in self.seen_batches
+        return (self.cold_steps.get(bucket, 0) >= self.probe_intervals.get(bucket, MIN_PROBE_INTERVAL)
+                or bucket not in self.seen_batches)
 
     def acceptance(self, req_id: str) -> list[float]:
         """``c_1..c_K`` of a request (conditional acceptance per draft position), optimistic by one
@@ -421,20 +423,20 @@ class AdaptivePolicy(FixedPolicy):
         self.chosen = 0
         if not candidates:
             if not self.warm:
-                self.cold_steps += 1
+                self.cold_steps[self.last_bucket] = self.cold_steps.get(self.last_bucket, 0) + 1
             return []
         num_seqs = len(candidates)
+        bucket = self.last_bucket = _bucket(num_seqs)
         if self.plain.count < MIN_OBSERVATIONS:              # explore: plain steps (cache kept warm) first,
             self.warm = True
             return [0] * num_seqs
         if not self._costs_known() or (not self.warm and self._probe_due(num_seqs)):
             if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
-                bucket = _bucket(num_seqs)
                 self.probe_intervals[bucket] = min(MAX_PROBE_INTERVAL,
                                                    2 * self.probe_intervals.get(bucket, MIN_PROBE_INTERVAL))
                 plain = self._ledger(num_seqs, 0)             # vetoed depths of this batch size get retried
-                self.realized[_bucket(num_seqs)] = {0: plain}
-            self.warm, self.cold_steps, self.warm_idle = True, 0, 0
+                self.realized[bucket] = {0: plain}
+            self.warm, self.cold_steps[bucket], self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
             return [min(depth, c.max_depth) for c in candidates]
@@ -461,11 +463,11 @@ class AdaptivePolicy(FixedPolicy):
         elif self.warm:
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
-        self.cold_steps = 0 if self.warm else self.cold_steps + 1
+        self.cold_steps[bucket] = 0 if self.warm else self.cold_steps.get(bucket, 0) + 1
         if any(best):
             if self._realized_ratio(num_seqs, max(best)) is not None:   # it paid where measured: probe soon
-                self.probe_intervals[_bucket(num_seqs)] = MIN_PROBE_INTERVAL   # after it stops (not while
-                                                                                # a veto is retried)
+                self.probe_intervals[bucket] = MIN_PROBE_INTERVAL        # after it stops (not while a veto
+                                                                        # is retried)
             if self._plain_unmeasured(num_seqs):             # the realized rates need plain steps of this
                 return [0] * num_seqs                        # batch size to judge drafting: a warm plain one
             self.drafting_steps += 1
@@ -486,7 +488,7 @@ class AdaptivePolicy(FixedPolicy):
         plain ones (both measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of
         ~50 steps): the fits' estimate is then wrong somewhere, and what was measured wins. Each
         probe of the batch size forgets its drafting steps, so a vetoed depth is retried after 64,
-        128, ... 1024 cold steps."""
+        128, ... 1024 cold steps (at that batch size)."""
         return any(ratio is not None and ratio < LEDGER_VETO
                    for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH)))
 
