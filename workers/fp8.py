@@ -188,6 +188,23 @@ def _column_aligned(layer, block: tuple[int, int]) -> bool:
                for (_, start, _), offset in zip(layer.shards, layer.offsets))
 
 
+def keeps_fp8(device: str | torch.device) -> bool:
+    """Whether FP8 block-scaled weights stay FP8 on ``device`` (else they are dequantized at load).
+
+    Only CUDA GPUs whose Triton kernels take ``float8_e4m3fn`` operands keep them: compute capability
+    8.9 and up (Ada, Hopper, Blackwell). Triton refuses e4m3 on older GPUs ("type fp8e4nv not
+    supported in this architecture" for sm_80, the A100: ``benchmarks/triton_compile.py --arch 80``),
+    so there the weights are dequantized to the runner's dtype, as on CPU (twice the bytes). Planning
+    without a visible GPU (``shardserve plan --device cuda``) assumes one that keeps them.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def keep_fp8_weights(model: nn.Module, raw: Checkpoint, block_size: tuple[int, int]) -> list[str]:
     """Keep FP8 block-scaled weights in FP8 on the model (the GPU path): linear layers
     (:func:`keep_fp8_linears`) and routed experts (:func:`keep_fp8_experts`).

@@ -25,6 +25,7 @@ from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_cache
                                        resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_expert_group, get_tp_group
 from shardserve.workers.forward_context import AttentionMetadata, forward_context
+from shardserve.workers.fp8 import keeps_fp8
 from shardserve.workers.logits_processors import SamplingControls, apply_token_bitmasks
 from shardserve.workers.messages import PLACEHOLDER_TOKEN, DataParallelPlan, SamplingOptions, StepPlan, StepResult
 from shardserve.workers.model_source import ModelFiles, model_context_length
@@ -156,7 +157,8 @@ class ModelRunner:
             ``EngineCore.prompt_logits`` probes; 0 otherwise).
 
     Raises:
-        DeviceConfigError: ``--device cuda`` on a rank without a GPU.
+        DeviceConfigError: ``--device cuda`` on a rank without a GPU; ``--indexer-cache-dtype fp8`` on a GPU
+            older than compute capability 8.9 (Triton takes no e4m3 there).
         DoesNotFitError: the weights, the profiling forward or one cache block do not fit.
     """
 
@@ -170,6 +172,10 @@ class ModelRunner:
         else:
             bound_cpu_kernel_caches()
         self.dp_group = self._check_attention_dp(hf_config, config)
+        if (self.device.type == "cuda" and getattr(hf_config, "shardserve_indexer_cache_dtype", "auto") == "fp8"
+                and not keeps_fp8(self.device)):
+            raise DeviceConfigError(f"--indexer-cache-dtype fp8 needs a GPU of compute capability 8.9 or newer "
+                                    f"(this one: {torch.cuda.get_device_capability(self.device)}): use 'auto'")
         self.checkpoint = open_recorded(files.path)   # reads recorded: digests for weight reloads
         self.dtype, weight_format = weight_format_of(self.checkpoint, config.dtype, self.device.type,
                                                      config.quantization, config.packed_dense_rows)
@@ -180,7 +186,7 @@ class ModelRunner:
         self._plan_config: PlanConfig | None = None
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
-            keep_fp8=self.device.type == "cuda", before_load=self._plan_rank, weight_format=weight_format)
+            keep_fp8=keeps_fp8(self.device), before_load=self._plan_rank, weight_format=weight_format)
         self.forward = self.model   # the compiled forward after allocate_kv_cache with --compile
         self.compiled: CompiledForward | None = None
         self.weight_record = self.checkpoint.observer.record

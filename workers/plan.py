@@ -416,13 +416,14 @@ def plan_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torch.d
     Raises:
         ValueError: an unsupported architecture, a split the model cannot take, or no MTP layer.
     """
+    from shardserve.workers.fp8 import keeps_fp8
     from shardserve.workers.weight_loader import build_meta_model
 
     fmt = weight_format if config.device == "cpu" else None
     ranks = []
     for rank in range(config.tensor_parallel_size):
         with as_rank(rank, config.tensor_parallel_size):
-            model = build_meta_model(hf_config, ckpt, tensor_split, dtype, keep_fp8=config.device == "cuda",
+            model = build_meta_model(hf_config, ckpt, tensor_split, dtype, keep_fp8=keeps_fp8(config.device),
                                      weight_format=fmt)
             draft = None
             if speculative_tokens and rank == 0:

@@ -31,6 +31,7 @@ import torch
 
 from shardserve.workers.activation import dtype_bytes
 from shardserve.workers.checkpoint import Checkpoint
+from shardserve.workers.fp8 import keeps_fp8
 from shardserve.workers.plan import PlanConfig, ReplicaPlan, as_rank, plan_rank
 
 
@@ -146,7 +147,7 @@ def plan_dp_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torc
                          "attention groups")
     # one group's step; eager decode under DP attention
     dp_config = dataclasses.replace(config, decode_graphs="off", max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    keep_fp8 = config.device == "cuda"
+    keep_fp8 = keeps_fp8(config.device)
 
     models: dict[tuple, object] = {}
 
