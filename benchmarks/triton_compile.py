@@ -17,6 +17,8 @@ that gap without a GPU:
    and such GPUs dequantize FP8 weights at load (:func:`workers.fp8.keeps_fp8`) and refuse the FP8
    indexer cache.
 
+Arguments are specialized as Triton's launcher would (pointers 16-byte aligned and integers that are
+multiples of 16 marked divisible), so the code compiled is what a GPU run of those shapes compiles.
 Prints one row per kernel; exit 1 when anything fails to compile or needs too much shared memory,
 2 when a launched kernel of ``kernels/`` was never recorded (the cases no longer cover it).
 
@@ -58,6 +60,14 @@ def _arg_type(value) -> str | None:
     return None
 
 
+def _divisible(value) -> bool:
+    """Whether Triton's launcher would specialize this argument as divisible by 16 (a pointer
+    16-byte aligned, an integer multiple of 16): what lets the compiler vectorize accesses."""
+    if hasattr(value, "data_ptr"):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def _plain(value):
     """A constexpr value as JSON (triton's constexpr wrapper and torch/triton dtypes unwrapped)."""
     value = getattr(value, "value", value)
@@ -86,14 +96,16 @@ def record(path: str) -> None:
         bound = inspect.signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         annotations = {name: str(ann) for name, ann in fn.__annotations__.items()}
-        signature, constexprs = {}, {}
+        signature, constexprs, divisible = {}, {}, []
         for name, value in bound.arguments.items():
             kind = None if "constexpr" in annotations.get(name, "") else _arg_type(value)
             signature[name] = kind or "constexpr"
             if kind is None:
                 constexprs[name] = _plain(value)
+            elif _divisible(value):
+                divisible.append(name)
         entry = {"module": fn.__module__, "name": fn.__qualname__, "signature": signature,
-                 "constexprs": constexprs, "options": options}
+                 "constexprs": constexprs, "options": options, "divisible": divisible}
         launches.setdefault(json.dumps(entry, sort_keys=True), entry)
         return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
 
@@ -117,7 +129,8 @@ def compile_one(entry: dict, arch: int) -> dict:
     if arch < 89 and "*fp8e4nv" in entry["signature"].values():
         return {"ok": True, "skipped": True}   # never launched there: workers.fp8.keeps_fp8 dequantizes
     kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
-    source = ASTSource(fn=kernel, signature=entry["signature"], constexprs=entry["constexprs"])
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in entry["divisible"]}
+    source = ASTSource(fn=kernel, signature=entry["signature"], constexprs=entry["constexprs"], attrs=attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=entry["options"])
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
