@@ -42,22 +42,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Largest dynamic shared memory of one block (bytes), by compute capability (CUDA guide, table 21).
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-_TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-                    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1",
-                    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
 
 
 def _arg_type(value) -> str | None:
-    """The Triton signature type of a runtime argument (None: pass it as a constexpr)."""
-    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
-        return "*" + _TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    return None
+    """The Triton signature type of a runtime argument (``*bf16``, ``i32``, ...; Triton's own
+    ``mangle_type``), None for what is passed as a constexpr."""
+    from triton.runtime.jit import mangle_type
+
+    if not (hasattr(value, "data_ptr") or isinstance(value, (int, float))):
+        return None
+    return mangle_type(value)
 
 
 def _divisible(value) -> bool:

@@ -194,8 +194,9 @@ def keeps_fp8(device: str | torch.device) -> bool:
     Only CUDA GPUs whose Triton kernels take ``float8_e4m3fn`` operands keep them: compute capability
     8.9 and up (Ada, Hopper, Blackwell). Triton refuses e4m3 on older GPUs ("type fp8e4nv not
     supported in this architecture" for sm_80, the A100: ``benchmarks/triton_compile.py --arch 80``),
-    so there the weights are dequantized to the runner's dtype, as on CPU (twice the bytes). Planning
-    without a visible GPU (``shardserve plan --device cuda``) assumes one that keeps them.
+    so there the weights are dequantized to the runner's dtype, as on CPU (twice the bytes), and the
+    runner refuses the FP8 indexer cache. Planning without a visible GPU (``shardserve plan --device
+    cuda``) assumes one that keeps them.
     """
     device = torch.device(device)
     if device.type != "cuda":

@@ -38,6 +38,7 @@ import torch
 from shardserve.workers.activation import StepShape, dtype_bytes, step_activation_bytes
 from shardserve.workers.checkpoint import Checkpoint, CheckpointError, LazyTensor
 from shardserve.workers.device import DoesNotFitError, gib
+from shardserve.workers.fp8 import keeps_fp8
 
 GIB = 2**30
 CUDA_RUNTIME_BYTES = GIB            # CUDA context, cuBLAS / Triton modules: plan's estimate (serve measures)
@@ -416,7 +417,6 @@ def plan_replica(hf_config, ckpt: Checkpoint, config: PlanConfig, dtype: torch.d
     Raises:
         ValueError: an unsupported architecture, a split the model cannot take, or no MTP layer.
     """
-    from shardserve.workers.fp8 import keeps_fp8
     from shardserve.workers.weight_loader import build_meta_model
 
     fmt = weight_format if config.device == "cpu" else None

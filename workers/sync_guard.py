@@ -96,12 +96,12 @@ class _NoHostSyncMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        why = _why(func, args, kwargs)
-        if why is None and func.overloadpacket is aten.copy_ and not self.uploads and len(args) > 1 \
-                and args[1] in self._host_scalars:
-            why = ("copies a Python number into a tensor element (`x[i] = 0`: a host-to-device copy from "
-                   "pageable memory, refused by a CUDA capture): use x[i:i + 1].fill_(v) or x.narrow(...).zero_()")
-        if why is not None and not (self.uploads and func.overloadpacket is aten.lift_fresh):
+        why, upload = _why(func, args, kwargs), func.overloadpacket is aten.lift_fresh
+        if why is None and func.overloadpacket is aten.copy_ and len(args) > 1 and args[1] in self._host_scalars:
+            why, upload = ("copies a Python number into a tensor element (`x[i] = 0`: a host-to-device copy from "
+                           "pageable memory, refused by a CUDA capture): use x[i:i + 1].fill_(v) or "
+                           "x.narrow(...).zero_()"), True
+        if why is not None and not (self.uploads and upload):
             raise HostSyncError(f"{func} in {self.where}: {why}")
         out = func(*args, **kwargs)
         if func.overloadpacket is aten.lift_fresh and args[0].dim() == 0:
