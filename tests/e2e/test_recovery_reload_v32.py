@@ -32,6 +32,7 @@ ARCH = "deepseek_v32"
 LONG = " ".join(tiny_token_text(3 + (7 * i) % 120) for i in range(40))   # 2 full 16-token blocks, > top-k 8
 NUM_TOKENS = 12
 STREAM_TOKENS = 150
+ABORTED_STREAM_TOKENS = 230   # the abort phase's streams: as long as --max-model-len 256 allows
 ADMIN = "sk-admin-of-the-reload-tests"
 ADMIN_MD = (("authorization", f"Bearer {ADMIN}"),)   # reloads take the admin key (issue 27)
 
@@ -196,8 +197,8 @@ def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(server, fo
     assert greedy(server) == before and server.model_info().weights_version == version
 
 
-def _batch(server, texts: list[str]) -> list[list[int]]:
-    return [stream.join().tokens for stream in [GrpcStream(server, text) for text in texts]]
+def _batch(server, texts: list[str], max_tokens: int = STREAM_TOKENS) -> list[list[int]]:
+    return [stream.join().tokens for stream in [GrpcStream(server, text, max_tokens) for text in texts]]
 
 
 def test_reload_under_eight_streams_never_mixes_weights(server, folder, tmp_path):
@@ -222,8 +223,11 @@ def test_reload_under_eight_streams_never_mixes_weights(server, folder, tmp_path
     new = _batch(server, texts)
     assert late.join().tokens == new[0] != old[0]
 
-    # abort: streams that produced output end with ABORTED; none mixes old and new weights
-    streams = [GrpcStream(server, text) for text in texts]
+    # abort: streams that produced output end with ABORTED; none mixes old and new weights. The
+    # streams are as long as the context allows: with 150 tokens (~0.7 s of decoding) all 8 once
+    # finished before the abort reached them on a loaded 2-core machine (0 aborted, a flaky failure)
+    new = _batch(server, texts, ABORTED_STREAM_TOKENS)
+    streams = [GrpcStream(server, text, ABORTED_STREAM_TOKENS) for text in texts]
     wait_for("every stream produced tokens", lambda: all(s.tokens for s in streams), 60)
     reply = server.stub.ReloadWeights(pb.ReloadWeightsRequest(model=str(folder), mode="abort"), timeout=120,
                                       metadata=ADMIN_MD)
