@@ -417,3 +417,47 @@ def test_replica_count_autoscaling_options_and_the_default_routing():
     assert ongoing_requests_policy(ctx([0.0, 0.0]))[0] == 1      # idle: down to min, never zero
     assert ongoing_requests_policy(SimpleNamespace(aggregated_metrics={}, current_num_replicas=2,
                                                    target_num_replicas=2))[0] == 2   # no load reported yet
+
+
+def test_health_answers_from_fresh_replica_states():
+    """``GET /health`` re-polls replica states older than 0.25 s: a replica unhealthy for 0.3 s (a
+    dead worker repaired in place) between two 2-s background polls is seen red, and green again
+    after. A status call sent while a replica loaded that fails after it became ready (a newer
+    answer said so) does not mark it unreachable."""
+    healthy = {"value": True}
+
+    async def replica() -> dict:
+        return {"state": "ready", "address": None, "error": None, "info": {"healthy": healthy["value"]}}
+
+    answers = iter([{"state": "loading", "address": None, "error": None, "info": None}])
+
+    async def slow_then_ready() -> dict:
+        answer = next(answers, None)
+        if answer is None:
+            return {"state": "ready", "address": None, "error": None, "info": {"healthy": True}}
+        await asyncio.sleep(0.3)
+        raise TimeoutError("sent while loading, late")
+
+    async def scenario():
+        core = RouterCore("m", ["m"], [replica], load_tokenizer=lambda: object(), poll_s=2.0)
+        core.start()
+        await asyncio.wait_for(core.wait_started(), 5)
+        await asyncio.sleep(0.3)                       # the background poll's view is now stale
+        healthy["value"] = False
+        red = await core.health()
+        healthy["value"] = True
+        await asyncio.sleep(0.3)
+        green = await core.health()
+        await core.close()
+        late = RouterCore("m", ["m"], [slow_then_ready], load_tokenizer=lambda: object(), poll_s=2.0)
+        late.pool.add("0")                             # loading
+        slow = asyncio.ensure_future(late._poll("0"))   # goes out while the replica loads
+        await asyncio.sleep(0.05)
+        await late._poll("0")                          # a newer answer: ready
+        await slow
+        return red, green, [r.state for r in late.pool.replicas]
+
+    red, green, late_states = asyncio.run(scenario())
+    assert (red.status_code, json.loads(red.body)) == (503, {"status": "unhealthy"})
+    assert (green.status_code, json.loads(green.body)) == (200, {"status": "ok"})
+    assert late_states == ["ready"]
