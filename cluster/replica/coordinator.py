@@ -243,6 +243,7 @@ class Coordinator:
                 self.core.speculator.observe_step(batch, time.perf_counter() - started)
                 try:
                     await self.core.speculator.propose_async(self.core, batch, result)
+                    self.drafter.check_alive()     # it may not have been called (a cold policy)
                 except WorkerDiedError as exc:
                     await self._fail(str(exc))
                     return

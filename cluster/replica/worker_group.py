@@ -71,6 +71,7 @@ def check_worker_resources(cpus_per_worker: float, gpus_per_worker: float) -> No
 
 
 DRAFT_SHARE = 0.01   # of rank 0's bundle (CPUs and GPUs) reserved for the MTP draft actor
+DRAFT_PING_S = 1.0   # while steps run, the draft actor's liveness is asked at most this often
 
 
 @dataclass(slots=True)
@@ -498,6 +499,7 @@ class RemoteDrafter:
             placement_group=placement[0], placement_group_bundle_index=placement[1])}
         self._threads = max(1, int(config.cpus_per_worker))
         self.actor = None
+        self._ping, self._next_ping = None, 0.0   # an outstanding status call (check_alive)
         try:
             self._start(None)
         except Exception as exc:
@@ -507,6 +509,7 @@ class RemoteDrafter:
     def _start(self, timeout_s: float | None) -> None:
         spec = self.spec
         self.actor = ray.remote(DraftWorker).options(**self._options).remote(self._threads)
+        self._ping = None
         self.info = ray.get(self.actor.load_weights.remote(self.files, self.hf_config, spec.sizes, self.block_size,
                                                            spec.dtype, spec.seed, spec.device), timeout=timeout_s)
         if self.num_blocks:
@@ -534,6 +537,29 @@ class RemoteDrafter:
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
             raise WorkerDiedError(f"draft worker failed: {root_cause(exc)}") from exc
+
+    def check_alive(self) -> None:
+        """Between steps: raise if the actor died, without waiting. Every ``DRAFT_PING_S`` it reads
+        the status call it sent last time if that has answered (a dead actor's answers at once, with
+        its error) and sends another. Shard ranks are called every step, so their death shows in
+        the next step; the draft actor is called only while the speculation policy drafts, and a
+        draft worker killed while the policy was cold went unnoticed until the replica fell idle
+        (its streams ran on; ``test_recovery_reload_v32`` expects them to fail and the replica to
+        repair within 5 s, and failed once in a full run).
+
+        Raises:
+            WorkerDiedError: the actor died or its status call failed.
+        """
+        now = time.monotonic()
+        if now < self._next_ping:
+            return
+        self._next_ping = now + DRAFT_PING_S
+        ping, self._ping = self._ping, self.actor.status.remote()
+        if ping is not None and ray.wait([ping], timeout=0)[0]:
+            try:
+                ray.get(ping)
+            except Exception as exc:
+                raise WorkerDiedError(f"draft worker failed: {root_cause(exc)}") from exc
 
     # -- recovery and weight reload --------------------------------------------------------------------
     def is_dead(self, timeout_s: float = 10.0) -> bool:
