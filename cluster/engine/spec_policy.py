@@ -86,7 +86,7 @@ LEDGER_VETO = 0.97           # realized drafting / plain rate below which drafti
 BRIEF_DRAFTING_MIN = 8       # ... or, on fewer steps (a batch size visited briefly: a run's tail), drafting
 BRIEF_PLAIN_MIN = 4          # steps and plain steps at least these many, and the ratio below BRIEF_VETO
 BRIEF_VETO = 0.93
-ANY_DEPTH = -1               # the ledger of every drafting step the fits chose, whatever its depth
+ANY_DEPTH = -1               # the ledger of every drafting step the fits (or a probe) chose, whatever its depth
 
 
 class LinearFit:
@@ -179,9 +179,9 @@ class _Realized:
         return self.tokens / max(self.seconds, 1e-9)
 
     def charge(self, seconds: float) -> None:
-        """A draft pass after a step that drafted nothing the fits chose (it kept the draft cache
-        warm, or followed a probe or re-measuring step): a cost of drafting at this batch size, in
-        no step's rate. Uncharged, 2-3 drafting steps at the end of a run looked as fast as plain
+        """A draft pass after a decode step that was no realized drafting step (a plain step that
+        kept the draft cache warm, or a re-measuring step): a cost of drafting at the batch size it
+        drafts for, in no step's rate. Uncharged, 2-3 drafting steps at the end of a run looked as fast as plain
         ones while the pass before them made the run's tail ~10 % slower (issue 31)."""
         self.seconds += seconds
 
@@ -308,7 +308,7 @@ class AdaptivePolicy(FixedPolicy):
         self.realized: dict[int, dict[int, _Realized]] = {}   # bucket -> depth (0: plain) -> realized
         self.accepted = 0                               # accepted drafts of the step being recorded
         self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
-        self.charged = 0                                # batch size whose drafting the next draft pass costs
+        self.charged = False                            # the next draft pass is a cost of drafting (no step's)
         self.chosen = 0                                 # deepest draft of the fits' (or a probe's) last choice
         self.version = 0                                # bumped whenever an acceptance estimate may change
         self.reach_cache: dict[str, tuple[int, int, list[float]]] = {}   # req -> (version, max depth, reach)
@@ -321,14 +321,12 @@ class AdaptivePolicy(FixedPolicy):
         self._settle(0.0)
         if num_seqs == 0:
             return
-        self.charged = 0
         if prompt_tokens == 0:                          # realized rates: decode-only steps
             if num_drafts == 0:
                 self._ledger(num_seqs, 0).add(num_seqs, seconds)
             elif self.chosen:                           # re-measuring steps are not the policy's rate
                 self.pending = (num_seqs, self.chosen, num_seqs + accepted, seconds)
-            if self.pending is None:                    # ... but a draft pass after them is drafting's cost
-                self.charged = num_seqs
+            self.charged = self.pending is None         # ... but a draft pass after them is drafting's cost
         # P in thousands of tokens: where every step carries about as many prompt tokens (short
         # requests arriving all the time) the fit cannot tell ``a`` from ``p P``; its ridge then
         # keeps ``p`` small, so T(B, 0) predicts what such steps cost (the plain step there).
@@ -355,8 +353,9 @@ class AdaptivePolicy(FixedPolicy):
             self._ledger(num_seqs, depth).add(tokens, seconds + draft_seconds)
             self._ledger(num_seqs, ANY_DEPTH).add(tokens, seconds + draft_seconds)
             self.pending = None
-        elif self.charged and draft_seconds:
-            self._ledger(self.charged, ANY_DEPTH).charge(draft_seconds)
+        elif self.charged and draft_seconds:            # at the batch size it drafts for (depths' last)
+            self.realized.setdefault(self.last_bucket, {}).setdefault(ANY_DEPTH, _Realized()).charge(draft_seconds)
+        self.charged = False
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.accepted += num_accepted
@@ -467,9 +466,9 @@ class AdaptivePolicy(FixedPolicy):
         without candidates (the caller then skips :meth:`depths`; a cold step is counted): the
         policy is cold, no probe of this batch size is due, and its realized rates veto drafting at
         every depth. Building candidates and weighing depths 1..K for 32 requests each step cost
-        ~0.1 ms, 1 % of the demo model's batch-32 step, where drafting never pays; and a vetoed
-        batch size no longer keeps the draft cache warm (up to ``WARM_IDLE_LIMIT`` draft passes
-        that drafted nothing, 0.7 % of a batch-32 run), as :meth:`depths` did there (issue 31)."""
+        ~0.1 ms, 1 % of the demo model's batch-32 step, where drafting never pays; and a vetoed,
+        cold batch size no longer turns warm (up to ``WARM_IDLE_LIMIT`` draft passes that drafted
+        nothing, 0.7 % of a batch-32 run), as :meth:`depths` let it (issue 31)."""
         if (self.warm or not num_seqs or not self._costs_known() or self._probe_due(num_seqs)
                 or not self._vetoed(num_seqs, ANY_DEPTH)):
             return False
@@ -501,9 +500,10 @@ class AdaptivePolicy(FixedPolicy):
             self.warm, self.cold_steps[bucket], self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
+            choice = [min(depth, c.max_depth) for c in candidates]
             if self._costs_known():                          # a probe's step is a realized drafting step
-                self.chosen = depth                          # (what lets a halved veto lapse, see halve)
-            return [min(depth, c.max_depth) for c in candidates]
+                self.chosen = max(choice)                    # (what lets a halved veto lapse, see halve)
+            return choice
         reach = [self._reach_of(c) for c in candidates]                                # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         plain_rate = num_seqs / plain_s
@@ -550,9 +550,10 @@ class AdaptivePolicy(FixedPolicy):
         """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those
         the fits chose, with the draft pass after each), returned fewer tokens per second than its
         plain ones (both measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of
-        ~50 steps): the fits' estimate is then wrong somewhere, and what was measured wins. Each
-        probe of the batch size forgets its drafting steps, so a vetoed depth is retried after 64,
-        128, ... 1024 cold steps (at that batch size)."""
+        ~50 steps), or on fewer steps at a wider margin (:meth:`_brief_ratio`): the fits' estimate
+        is then wrong somewhere, and what was measured wins. Each probe of the batch size halves
+        what its drafting steps returned (:meth:`_Realized.halve`) and adds its own step, so a
+        vetoed depth is retried after 64, 128, ... 1024 cold steps (at that batch size)."""
         return any(ratio is not None and ratio < LEDGER_VETO
                    for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH))) \
             or self._brief_ratio(num_seqs) < BRIEF_VETO

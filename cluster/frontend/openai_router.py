@@ -76,8 +76,6 @@ _RETRY_AFTER_S = 1           # Retry-After of a 429: a queue slot frees when one
 _MODEL_NOT_FOUND = "model_not_found"
 _NOBODY = Caller(ANONYMOUS, ANONYMOUS)
 _MAX_TOKEN_ID = 2**31 - 1     # a proto int32; the vocabulary bounds it further once a replica reported it
-_HEALTH_FRESH_S = 0.25        # GET /health re-polls the replicas when their states are older than this ...
-_HEALTH_WAIT_S = 1.0          # ... and waits at most this long for the answers (then: the states it has)
 _INLINE_HASH_TOKENS = 4096    # longer prompts are hashed on the tokenizer threads, off the event loop
 _CACHE_EVENTS_RETRY_S = 1.0   # pause before re-following a replica whose cache-event stream ended
 
@@ -142,7 +140,7 @@ class RouterCore:
     """
 
     def __init__(self, model: str, served_names: list[str], replicas, load_tokenizer: Callable[[], object],
-                 poll_s: float = 2.0, front: FrontConfig | None = None, route_wait_s: float = 30.0,
+                 poll_s: float = 0.5, front: FrontConfig | None = None, route_wait_s: float = 30.0,
                  policy: RoutingPolicy | None = None, parsers: ParserConfig | None = None) -> None:
         self.model_arg, self.served_names = model, list(served_names)
         self.front = front or FrontConfig()
@@ -164,8 +162,6 @@ class RouterCore:
         self._followers: dict[str, asyncio.Task] = {}   # replica -> task applying its cache events
         self._listed = False             # the replica directory has answered once
         self._polled = asyncio.Event()   # set after the first round of status calls once replicas are listed
-        self._polled_at = 0.0            # monotonic time the last round of status calls ended
-        self._health_poll: asyncio.Task | None = None   # a round GET /health started (shared)
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # replica stub -> ReplicaLink
 
     # -- background: tokenizer and replica states ------------------------------------------------
@@ -255,7 +251,6 @@ class RouterCore:
     async def poll_all(self) -> None:
         """Ask every replica for its status now (concurrently) and apply the answers."""
         await asyncio.gather(*(self._poll(replica.key) for replica in list(self.pool.replicas)))
-        self._polled_at = time.monotonic()
         if self._listed and self.pool.replicas:
             self._polled.set()
 
@@ -301,19 +296,7 @@ class RouterCore:
     async def health(self) -> Response:
         """``GET /health`` (open): ``{"status": "ok"}`` with 200, or ``loading`` / ``unhealthy``
         with 503. Nothing else: the details are on ``GET /admin/status``.
-
-        It answers from replica states at most ``_HEALTH_FRESH_S`` old: an older view is refreshed
-        first (one round of status calls shared by concurrent probes, waited for at most
-        ``_HEALTH_WAIT_S``). From the background poll alone (every ``poll_s``, 2 s) a replica that
-        repaired a dead worker in place within ~1 s was never seen unhealthy: a draft worker killed
-        under four streams left /health at 200 throughout in half the runs."""
-        if time.monotonic() - self._polled_at > _HEALTH_FRESH_S and self.pool.replicas:
-            if self._health_poll is None or self._health_poll.done():
-                self._health_poll = asyncio.get_running_loop().create_task(self.poll_all())
-            try:
-                await asyncio.wait_for(asyncio.shield(self._health_poll), _HEALTH_WAIT_S)
-            except asyncio.TimeoutError:
-                pass
+        It answers from the replica states of the last poll (every ``poll_s``)."""
         state = self.health_state()
         return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)
 

@@ -386,3 +386,17 @@ def test_a_probe_keeps_half_of_what_drafting_returned():
     seconds, tokens, history = sim.run(policy, 3000)
     drafting = sum(1 for depths in history if any(depths))
     assert drafting < 80 and tokens / seconds > 0.99 * sim.plain_rate(), (drafting, tokens / seconds / sim.plain_rate())
+
+
+def test_a_veto_lifts_when_drafting_comes_to_pay():
+    """Batch 8 of requests that live 4 steps (the fits overrate, drafting is vetoed), then
+    long-lived requests that accept 95 %: the probes' own steps (the halved ledger keeps the brief
+    veto armed) bring drafting back within ~1,000 steps, at nearly the best fixed depth's rate."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.6] * 4] * 8, request_steps=4, seed=1).run(policy, 1500)
+    assert policy._vetoed(8, -1)
+    good = Simulation([[0.95] * 4] * 8, request_steps=400, seed=2)
+    good.run(policy, 1000)
+    seconds, tokens, history = good.run(policy, 500)
+    _, best = _best_fixed_rate(good)
+    assert sum(1 for depths in history if any(depths)) > 400 and tokens / seconds > 0.95 * best
