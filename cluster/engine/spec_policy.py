@@ -86,6 +86,8 @@ LEDGER_VETO = 0.97           # realized drafting / plain rate below which drafti
 BRIEF_DRAFTING_MIN = 8       # ... or, on fewer steps (a batch size visited briefly: a run's tail), drafting
 BRIEF_PLAIN_MIN = 4          # steps and plain steps at least these many, and the ratio below BRIEF_VETO
 BRIEF_VETO = 0.93
+BRIEF_EPISODES = 3           # ... once drafting started there (a warm pass charged) this many times
+COLD_RECHECK = 8             # steps a cold decision of depths() stands (stays_cold) before it is weighed again
 ANY_DEPTH = -1               # the ledger of every drafting step the fits (or a probe) chose, whatever its depth
 
 
@@ -169,6 +171,7 @@ class _Realized:
     tokens: float = 0.0
     seconds: float = 0.0
     count: int = 0
+    charges: int = 0                  # draft passes charged (see charge)
 
     def add(self, tokens: float, seconds: float) -> None:
         self.tokens = self.tokens * LEDGER_DECAY + tokens
@@ -184,17 +187,23 @@ class _Realized:
         drafts for, in no step's rate. Uncharged, 2-3 drafting steps at the end of a run looked as fast as plain
         ones while the pass before them made the run's tail ~10 % slower (issue 31)."""
         self.seconds += seconds
+        self.charges += 1
 
-    def halve(self) -> None:
-        """A probe of the batch size: what drafting returned there weighs half, and counts at most
-        half its steps but no fewer than the brief veto needs (``BRIEF_DRAFTING_MIN``). Forgetting
-        it (the first version) made every probe at batch 32 of the demo model let the fits draft
-        again until 16 new steps vetoed them anew, and the prompt chunks of the next run's start
-        (steps no ledger sees) drafted too: ~10-15 % of a run each time. Halved, a clear loss stays
-        vetoed; the probe's own step joins the ledger at full weight, so a batch size where
-        drafting came to pay is released after a few probes (issue 31)."""
-        self.tokens, self.seconds = self.tokens / 2, self.seconds / 2
-        self.count = max(self.count // 2, min(self.count, BRIEF_DRAFTING_MIN))
+    def halve(self, holds: bool) -> None:
+        """A probe of the batch size: what drafting returned there weighs half; with ``holds`` (the
+        first three probes of the batch size) it still counts as many steps as the brief veto
+        needs, after that half its steps. Forgetting it (the first version) made every probe at
+        batch 32 of the demo model let the fits draft again until 16 new steps vetoed them anew,
+        and the next run's prompt chunks (no ledger sees them) went through the draft model too:
+        10-15 % of a run each time, and the benchmark's six runs see two or three probes of batch
+        32. Halved without a floor, the second probe lapsed a veto and read 0.97x there. So a veto
+        holds for 64 + 128 + 256 cold steps and is retried from the 4th probe on (after 512, then
+        every 1,024 cold steps at that batch size); prompts go through the draft model only once
+        drafting measured to pay there again (:meth:`AdaptivePolicy._pays_at`). A probe's own step
+        is not counted: right after a cold spell the draft cache misses recent positions, and such
+        steps kept a veto from ever lapsing in a test (issue 31)."""
+        self.tokens, self.seconds, self.charges = self.tokens / 2, self.seconds / 2, self.charges // 2
+        self.count = max(self.count // 2, min(self.count, BRIEF_DRAFTING_MIN)) if holds else self.count // 2
 
 
 @dataclass(slots=True)
@@ -310,6 +319,9 @@ class AdaptivePolicy(FixedPolicy):
         self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
         self.charged = False                            # the next draft pass is a cost of drafting (no step's)
         self.chosen = 0                                 # deepest draft of the fits' (or a probe's) last choice
+        self.probe_next = 0                             # a probe's depth, decided cold, drafted next step
+        self.exploring = False                          # depths' last answer explored (a probe, or costs unknown)
+        self.cold_skips: dict[int, int] = {}            # bucket -> steps stays_cold answers before depths weighs again
         self.version = 0                                # bumped whenever an acceptance estimate may change
         self.reach_cache: dict[str, tuple[int, int, list[float]]] = {}   # req -> (version, max depth, reach)
 
@@ -353,7 +365,7 @@ class AdaptivePolicy(FixedPolicy):
             self._ledger(num_seqs, depth).add(tokens, seconds + draft_seconds)
             self._ledger(num_seqs, ANY_DEPTH).add(tokens, seconds + draft_seconds)
             self.pending = None
-        elif self.charged and draft_seconds:            # at the batch size it drafts for (depths' last)
+        elif self.charged and draft_seconds and not self.exploring:   # for depths' last batch size
             self.realized.setdefault(self.last_bucket, {}).setdefault(ANY_DEPTH, _Realized()).charge(draft_seconds)
         self.charged = False
 
@@ -405,7 +417,7 @@ class AdaptivePolicy(FixedPolicy):
         if not self._costs_known():
             return True
         ratio = self._realized_ratio(num_seqs)
-        if (ratio is not None and ratio < DRAFT_MARGIN) or self._brief_ratio(num_seqs) < BRIEF_VETO:
+        if (ratio is not None and ratio < DRAFT_MARGIN) or self._brief_ratio(num_seqs, BRIEF_PLAIN_MIN) < DRAFT_MARGIN:
             return False
         rates = [self.pool.hits[j] / self.pool.trials[j] for j in range(self.max_depth)]
         reach = [_reach(rates, self.max_depth)] * num_seqs
@@ -465,14 +477,21 @@ class AdaptivePolicy(FixedPolicy):
         """Whether the next step of ``num_seqs`` decoding requests is plain for certain, decided
         without candidates (the caller then skips :meth:`depths`; a cold step is counted): the
         policy is cold, no probe of this batch size is due, and its realized rates veto drafting at
-        every depth. Building candidates and weighing depths 1..K for 32 requests each step cost
-        ~0.1 ms, 1 % of the demo model's batch-32 step, where drafting never pays; and a vetoed,
-        cold batch size no longer turns warm (up to ``WARM_IDLE_LIMIT`` draft passes that drafted
-        nothing, 0.7 % of a batch-32 run), as :meth:`depths` let it (issue 31)."""
-        if (self.warm or not num_seqs or not self._costs_known() or self._probe_due(num_seqs)
-                or not self._vetoed(num_seqs, ANY_DEPTH)):
+        every depth, or :meth:`depths` found it cold at this batch size fewer than
+        ``COLD_RECHECK`` steps ago (while cold, nothing it weighs moves but the plain fit). Building
+        candidates and weighing depths 1..K for 32 requests each step cost ~0.1 ms, 1 % of the demo
+        model's batch-32 step, where drafting never pays; and a vetoed, cold batch size no longer
+        turns warm (up to ``WARM_IDLE_LIMIT`` draft passes that drafted nothing, 0.7 % of a batch-32
+        run), as :meth:`depths` let it (issue 31)."""
+        if self.warm or not num_seqs or not self._costs_known() or self._probe_due(num_seqs):
             return False
-        bucket = self.last_bucket = _bucket(num_seqs)
+        bucket = _bucket(num_seqs)
+        skips = self.cold_skips.get(bucket, 0)
+        if skips:
+            self.cold_skips[bucket] = skips - 1
+        elif not self._vetoed(num_seqs, ANY_DEPTH):
+            return False
+        self.last_bucket = bucket
         self.cold_steps[bucket] = self.cold_steps.get(bucket, 0) + 1
         self.chosen = self.drafting_steps = 0
         return True
@@ -487,6 +506,10 @@ class AdaptivePolicy(FixedPolicy):
             return []
         num_seqs = len(candidates)
         bucket = self.last_bucket = _bucket(num_seqs)
+        self.exploring = True                                # (the pass after this step is not charged)
+        if self.probe_next:                                  # a probe decided on a cold step: its drafts
+            depth, self.probe_next = self.probe_next, 0      # come from this (warm) step's pass
+            return [min(depth, c.max_depth) for c in candidates]   # (not the fits' rate: not in a ledger)
         if self.plain.count < MIN_OBSERVATIONS:              # explore: plain steps (cache kept warm) first,
             self.warm = True
             return [0] * num_seqs
@@ -494,16 +517,17 @@ class AdaptivePolicy(FixedPolicy):
             if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
                 self.probe_intervals[bucket] = min(MAX_PROBE_INTERVAL,
                                                    2 * self.probe_intervals.get(bucket, MIN_PROBE_INTERVAL))
-                for depth, ledger in self.realized.get(bucket, {}).items():   # vetoed depths of this batch
-                    if depth != 0:                                              # size get retried (see
-                        ledger.halve()                                          # _Realized.halve)
+                holds = self.probe_intervals[bucket] < MAX_PROBE_INTERVAL    # vetoed depths of this batch
+                for depth, ledger in self.realized.get(bucket, {}).items():  # size get retried, from the
+                    if depth != 0:                                             # 4th probe on (see
+                        ledger.halve(holds)                                    # _Realized.halve)
             self.warm, self.cold_steps[bucket], self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
-            choice = [min(depth, c.max_depth) for c in candidates]
-            if self._costs_known():                          # a probe's step is a realized drafting step
-                self.chosen = max(choice)                    # (what lets a halved veto lapse, see halve)
-            return choice
+            if self._costs_known():                          # cold: this step kept no hidden states, so
+                self.probe_next = depth                      # the probe drafts after the next one
+            return [min(depth, c.max_depth) for c in candidates]
+        self.exploring = False
         reach = [self._reach_of(c) for c in candidates]                                # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         plain_rate = num_seqs / plain_s
@@ -528,6 +552,7 @@ class AdaptivePolicy(FixedPolicy):
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps[bucket] = 0 if self.warm else self.cold_steps.get(bucket, 0) + 1
+        self.cold_skips[bucket] = 0 if self.warm else COLD_RECHECK
         if any(best):
             if self._realized_ratio(num_seqs, max(best)) is not None:   # it paid where measured: probe soon
                 self.probe_intervals[bucket] = MIN_PROBE_INTERVAL        # after it stops (not while a veto
@@ -558,17 +583,18 @@ class AdaptivePolicy(FixedPolicy):
                    for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH))) \
             or self._brief_ratio(num_seqs) < BRIEF_VETO
 
-    def _brief_ratio(self, num_seqs: int) -> float:
+    def _brief_ratio(self, num_seqs: int, min_drafting: int = BRIEF_DRAFTING_MIN) -> float:
         """Realized drafting / plain tokens per second at this batch size on fewer steps than a veto
-        needs (``BRIEF_DRAFTING_MIN`` drafting, ``BRIEF_PLAIN_MIN`` plain; 1.0 with fewer), held to the
+        needs (``min_drafting`` drafting, ``BRIEF_PLAIN_MIN`` plain; infinite with fewer), held to the
         wider margin ``BRIEF_VETO``. A batch size a run passes through in 2-3 steps (the demo
         benchmark's batch-32 runs end at 16..8 requests) gathers ``LEDGER_MIN`` of each kind over many
         runs or never: there the fits rated depth 3 at 1.12-1.14x, 14 realized drafting steps read
         0.90x of 6 plain ones, and every run drafted its tail, ~2 % of its time (issue 31)."""
         ledger = self.realized.get(_bucket(num_seqs), {})
         drafting, plain = ledger.get(ANY_DEPTH), ledger.get(0)
-        if drafting is None or plain is None or drafting.count < BRIEF_DRAFTING_MIN or plain.count < BRIEF_PLAIN_MIN:
-            return 1.0
+        if (drafting is None or plain is None or drafting.count < min_drafting or plain.count < BRIEF_PLAIN_MIN
+                or drafting.charges < BRIEF_EPISODES):
+            return float("inf")
         return drafting.rate() / max(plain.rate(), 1e-9)
 
     def _plain_unmeasured(self, num_seqs: int) -> bool:
