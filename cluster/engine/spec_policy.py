@@ -55,6 +55,14 @@ Where drafting steps were realized but plain ones were not (the fits kept choosi
 policy takes plain steps until the two can be compared. Both ledgers and the probe intervals are
 per bucket: with one probe interval, drafting that paid at the small batches of a run's tail reset
 it, and every run's batch-32 phase probed again, forgot its veto and drafted 16 more steps at ~0.6x.
+A batch size a run only passes through (its tail) may veto on fewer steps (8 drafting, 4 plain,
+drafting started there 3 times) at a wider margin (0.93); a draft pass after a decode step that was
+no realized drafting step (the warm pass before drafting starts) is charged to drafting there; a
+probe drafts from the step after its decision, is kept out of the ledgers, and halves what drafting
+returned instead of forgetting it (the brief veto holds through a batch size's first three probes);
+and a vetoed or recently cold batch size is answered by :meth:`AdaptivePolicy.stays_cold` without
+weighing depths. Together they took the demo benchmark's batch-32 runs from 2-4 drafting excursions
+each (a tail at 16..8 requests, a probe's 16 steps) to none in steady state (0.97x -> 0.99x of k = 0).
 """
 
 from __future__ import annotations
@@ -77,7 +85,12 @@ MAX_PROBE_INTERVAL = 1024    # ... and at most (doubled by each probe, reset whe
 LEDGER_DECAY = 0.98          # per observation: the realized rates follow the last ~50 steps of a kind
 LEDGER_MIN = 16              # realized steps of both kinds (in a batch bucket) before they can veto drafting
 LEDGER_VETO = 0.97           # realized drafting / plain rate below which drafting is vetoed (noise margin)
-ANY_DEPTH = -1               # the ledger of every drafting step the fits chose, whatever its depth
+BRIEF_DRAFTING_MIN = 8       # ... or, on fewer steps (a batch size visited briefly: a run's tail), drafting
+BRIEF_PLAIN_MIN = 4          # steps and plain steps at least these many, and the ratio below BRIEF_VETO
+BRIEF_VETO = 0.93
+BRIEF_EPISODES = 3           # ... once drafting started there (a warm pass charged) this many times
+COLD_RECHECK = 8             # steps a cold decision of depths() stands (stays_cold) before it is weighed again
+ANY_DEPTH = -1               # the ledger of every drafting step the fits (or a probe) chose, whatever its depth
 
 
 class LinearFit:
@@ -99,22 +112,31 @@ class LinearFit:
     def __init__(self, prior: list[float], strength: float = 1e-3, forget: float = 0.98) -> None:
         size = len(prior)
         self.prior = list(prior)
-        self.w = list(prior)
+        self._w: list[float] | None = list(prior)
         self.strength = strength
         self.forget = forget
         self.xx = [[0.0] * size for _ in range(size)]
         self.xy = [0.0] * size
         self.count = 0
 
+    @property
+    def w(self) -> list[float]:
+        """The weights, solved when first needed after an observation (a plain step at batch 32 is
+        observed every step but predicted only while the policy weighs drafting there)."""
+        if self._w is None:
+            size = len(self.prior)
+            self._w = _solve([[self.xx[i][j] + (self.strength if i == j else 0.0) for j in range(size)]
+                              for i in range(size)], [self.xy[i] + self.strength * self.prior[i] for i in range(size)])
+        return self._w
+
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.w, x))
 
     def observe(self, x: list[float], y: float) -> None:
-        size, f = len(self.w), self.forget
+        size, f = len(self.prior), self.forget
         self.xx = [[f * self.xx[i][j] + x[i] * x[j] for j in range(size)] for i in range(size)]
         self.xy = [f * self.xy[i] + x[i] * y for i in range(size)]
-        self.w = _solve([[self.xx[i][j] + (self.strength if i == j else 0.0) for j in range(size)]
-                         for i in range(size)], [self.xy[i] + self.strength * self.prior[i] for i in range(size)])
+        self._w = None
         self.count += 1
 
 
@@ -151,6 +173,7 @@ class _Realized:
     tokens: float = 0.0
     seconds: float = 0.0
     count: int = 0
+    charges: int = 0                  # draft passes charged (see charge)
 
     def add(self, tokens: float, seconds: float) -> None:
         self.tokens = self.tokens * LEDGER_DECAY + tokens
@@ -159,6 +182,29 @@ class _Realized:
 
     def rate(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+    def charge(self, seconds: float) -> None:
+        """A draft pass after a decode step that was no realized drafting step (a plain step that
+        kept the draft cache warm, or a re-measuring step): a cost of drafting at the batch size it
+        drafts for, in no step's rate. Uncharged, 2-3 drafting steps at the end of a run looked as fast as plain
+        ones while the pass before them made the run's tail ~10 % slower (issue 31)."""
+        self.seconds += seconds
+        self.charges += 1
+
+    def halve(self, holds: bool) -> None:
+        """A probe of the batch size: what drafting returned there weighs half; with ``holds`` (the
+        first three probes of the batch size) it still counts as many steps as the brief veto
+        needs, after that half its steps. Forgetting it (the first version) made every probe at
+        batch 32 of the demo model let the fits draft again until 16 new steps vetoed them anew,
+        and the next run's prompt chunks (no ledger sees them) went through the draft model too:
+        10-15 % of a run each time, and the benchmark's six runs see two or three probes of batch
+        32. Halved without a floor, the second probe lapsed a veto and read 0.97x there. So a veto
+        holds for 64 + 128 + 256 cold steps and is retried from the 4th probe on (after 512, then
+        every 1,024 cold steps at that batch size). A probe's own step
+        is not counted: right after a cold spell the draft cache misses recent positions, and such
+        steps kept a veto from ever lapsing in a test (issue 31)."""
+        self.tokens, self.seconds, self.charges = self.tokens / 2, self.seconds / 2, self.charges // 2
+        self.count = max(self.count // 2, min(self.count, BRIEF_DRAFTING_MIN)) if holds else self.count // 2
 
 
 @dataclass(slots=True)
@@ -223,6 +269,9 @@ class FixedPolicy:
     def caches_prompts(self, batch_after: int) -> bool:
         return True
 
+    def stays_cold(self, num_seqs: int) -> bool:
+        return False
+
     def depths(self, candidates: list[Candidate]) -> list[int]:
         return [min(self.max_depth, c.max_depth) for c in candidates]
 
@@ -269,7 +318,11 @@ class AdaptivePolicy(FixedPolicy):
         self.realized: dict[int, dict[int, _Realized]] = {}   # bucket -> depth (0: plain) -> realized
         self.accepted = 0                               # accepted drafts of the step being recorded
         self.pending: tuple[int, int, int, float] | None = None   # a drafting step awaiting its draft pass
-        self.chosen = 0                                 # deepest draft of the fits' last choice (0: none or a probe)
+        self.charged = False                            # the next draft pass is a cost of drafting (no step's)
+        self.chosen = 0                                 # deepest draft of the fits' (or a probe's) last choice
+        self.probe_next = 0                             # a probe's depth, decided cold, drafted next step
+        self.exploring = False                          # depths' last answer explored (a probe, or costs unknown)
+        self.cold_skips: dict[int, int] = {}            # bucket -> steps stays_cold answers before depths weighs again
         self.version = 0                                # bumped whenever an acceptance estimate may change
         self.reach_cache: dict[str, tuple[int, int, list[float]]] = {}   # req -> (version, max depth, reach)
 
@@ -284,8 +337,9 @@ class AdaptivePolicy(FixedPolicy):
         if prompt_tokens == 0:                          # realized rates: decode-only steps
             if num_drafts == 0:
                 self._ledger(num_seqs, 0).add(num_seqs, seconds)
-            elif self.chosen:                           # probes and re-measuring steps are not the policy's rate
+            elif self.chosen:                           # re-measuring steps are not the policy's rate
                 self.pending = (num_seqs, self.chosen, num_seqs + accepted, seconds)
+            self.charged = self.pending is None         # ... but a draft pass after them is drafting's cost
         # P in thousands of tokens: where every step carries about as many prompt tokens (short
         # requests arriving all the time) the fit cannot tell ``a`` from ``p P``; its ridge then
         # keeps ``p`` small, so T(B, 0) predicts what such steps cost (the plain step there).
@@ -312,6 +366,9 @@ class AdaptivePolicy(FixedPolicy):
             self._ledger(num_seqs, depth).add(tokens, seconds + draft_seconds)
             self._ledger(num_seqs, ANY_DEPTH).add(tokens, seconds + draft_seconds)
             self.pending = None
+        elif self.charged and draft_seconds and not self.exploring:   # for depths' last batch size
+            self.realized.setdefault(self.last_bucket, {}).setdefault(ANY_DEPTH, _Realized()).charge(draft_seconds)
+        self.charged = False
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.accepted += num_accepted
@@ -417,6 +474,29 @@ class AdaptivePolicy(FixedPolicy):
     def _costs_known(self) -> bool:
         return min(self.plain.count, self.verify.count, self.draft.count) >= MIN_OBSERVATIONS
 
+    def stays_cold(self, num_seqs: int) -> bool:
+        """Whether the next step of ``num_seqs`` decoding requests is plain for certain, decided
+        without candidates (the caller then skips :meth:`depths`; a cold step is counted): the
+        policy is cold, no probe of this batch size is due, and its realized rates veto drafting at
+        every depth, or :meth:`depths` found it cold at this batch size fewer than
+        ``COLD_RECHECK`` steps ago (while cold, nothing it weighs moves but the plain fit). Building
+        candidates and weighing depths 1..K for 32 requests each step cost ~0.1 ms, 1 % of the demo
+        model's batch-32 step, where drafting never pays; and a vetoed, cold batch size no longer
+        turns warm (up to ``WARM_IDLE_LIMIT`` draft passes that drafted nothing, 0.7 % of a batch-32
+        run), as :meth:`depths` let it (issue 31)."""
+        if self.warm or not num_seqs or not self._costs_known() or self._probe_due(num_seqs):
+            return False
+        bucket = _bucket(num_seqs)
+        skips = self.cold_skips.get(bucket, 0)
+        if skips:
+            self.cold_skips[bucket] = skips - 1
+        elif not self._vetoed(num_seqs, ANY_DEPTH):
+            return False
+        self.last_bucket = bucket
+        self.cold_steps[bucket] = self.cold_steps.get(bucket, 0) + 1
+        self.chosen = self.drafting_steps = 0
+        return True
+
     def depths(self, candidates: list[Candidate]) -> list[int]:
         """Each candidate's drafts for the next step (0: none); updates the warm/cold state. No
         candidates while cold: a step sent ahead is in flight (async scheduling), one more cold step."""
@@ -427,6 +507,10 @@ class AdaptivePolicy(FixedPolicy):
             return []
         num_seqs = len(candidates)
         bucket = self.last_bucket = _bucket(num_seqs)
+        self.exploring = True                                # (the pass after this step is not charged)
+        if self.probe_next:                                  # a probe decided on a cold step: its drafts
+            depth, self.probe_next = self.probe_next, 0      # come from this (warm) step's pass
+            return [min(depth, c.max_depth) for c in candidates]   # (not the fits' rate: not in a ledger)
         if self.plain.count < MIN_OBSERVATIONS:              # explore: plain steps (cache kept warm) first,
             self.warm = True
             return [0] * num_seqs
@@ -434,12 +518,17 @@ class AdaptivePolicy(FixedPolicy):
             if self._costs_known():                          # then drafting steps, at depths 1, 2, ... K in
                 self.probe_intervals[bucket] = min(MAX_PROBE_INTERVAL,
                                                    2 * self.probe_intervals.get(bucket, MIN_PROBE_INTERVAL))
-                plain = self._ledger(num_seqs, 0)             # vetoed depths of this batch size get retried
-                self.realized[bucket] = {0: plain}
+                holds = self.probe_intervals[bucket] < MAX_PROBE_INTERVAL    # vetoed depths of this batch
+                for depth, ledger in self.realized.get(bucket, {}).items():  # size get retried, from the
+                    if depth != 0:                                             # 4th probe on (see
+                        ledger.halve(holds)                                    # _Realized.halve)
             self.warm, self.cold_steps[bucket], self.warm_idle = True, 0, 0
             depth = 1 + self.probes % self.max_depth         # turn: fits that saw one depth cannot tell
             self.probes += 1                                 # a fixed cost from a per-draft one
+            if self._costs_known():                          # cold: this step kept no hidden states, so
+                self.probe_next = depth                      # the probe drafts after the next one
             return [min(depth, c.max_depth) for c in candidates]
+        self.exploring = False
         reach = [self._reach_of(c) for c in candidates]                                # prod c_i per depth
         plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         plain_rate = num_seqs / plain_s
@@ -464,6 +553,7 @@ class AdaptivePolicy(FixedPolicy):
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps[bucket] = 0 if self.warm else self.cold_steps.get(bucket, 0) + 1
+        self.cold_skips[bucket] = 0 if self.warm else COLD_RECHECK
         if any(best):
             if self._realized_ratio(num_seqs, max(best)) is not None:   # it paid where measured: probe soon
                 self.probe_intervals[bucket] = MIN_PROBE_INTERVAL        # after it stops (not while a veto
@@ -486,11 +576,27 @@ class AdaptivePolicy(FixedPolicy):
         """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those
         the fits chose, with the draft pass after each), returned fewer tokens per second than its
         plain ones (both measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of
-        ~50 steps): the fits' estimate is then wrong somewhere, and what was measured wins. Each
-        probe of the batch size forgets its drafting steps, so a vetoed depth is retried after 64,
-        128, ... 1024 cold steps (at that batch size)."""
+        ~50 steps), or on fewer steps at a wider margin (:meth:`_brief_ratio`): the fits' estimate
+        is then wrong somewhere, and what was measured wins. Each probe of the batch size halves
+        what its drafting steps returned (:meth:`_Realized.halve`) and adds its own step, so a
+        vetoed depth is retried after 64, 128, ... 1024 cold steps (at that batch size)."""
         return any(ratio is not None and ratio < LEDGER_VETO
-                   for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH)))
+                   for ratio in (self._realized_ratio(num_seqs, depth), self._realized_ratio(num_seqs, ANY_DEPTH))) \
+            or self._brief_ratio(num_seqs) < BRIEF_VETO
+
+    def _brief_ratio(self, num_seqs: int) -> float:
+        """Realized drafting / plain tokens per second at this batch size on fewer steps than a veto
+        needs (``BRIEF_DRAFTING_MIN`` drafting, ``BRIEF_PLAIN_MIN`` plain; infinite with fewer), held to the
+        wider margin ``BRIEF_VETO``. A batch size a run passes through in 2-3 steps (the demo
+        benchmark's batch-32 runs end at 16..8 requests) gathers ``LEDGER_MIN`` of each kind over many
+        runs or never: there the fits rated depth 3 at 1.12-1.14x, 14 realized drafting steps read
+        0.90x of 6 plain ones, and every run drafted its tail, ~2 % of its time (issue 31)."""
+        ledger = self.realized.get(_bucket(num_seqs), {})
+        drafting, plain = ledger.get(ANY_DEPTH), ledger.get(0)
+        if (drafting is None or plain is None or drafting.count < BRIEF_DRAFTING_MIN or plain.count < BRIEF_PLAIN_MIN
+                or drafting.charges < BRIEF_EPISODES):
+            return float("inf")
+        return drafting.rate() / max(plain.rate(), 1e-9)
 
     def _plain_unmeasured(self, num_seqs: int) -> bool:
         """Whether this batch size has ``LEDGER_MIN`` realized drafting steps but fewer plain decode

@@ -249,8 +249,11 @@ class Speculator:
 
     def _depths(self, core: EngineCore, batch: ScheduledBatch) -> dict[str, int]:
         """The policy's drafts per request that decodes next step."""
-        candidates = [Candidate(r.request_id, self._num_drafts(core, r)) for r in batch.requests
-                      if r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
+        decoding = [r for r in batch.requests
+                    if r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
+        if self.policy.stays_cold(len(decoding)):
+            return dict.fromkeys((r.request_id for r in decoding), 0)
+        candidates = [Candidate(r.request_id, self._num_drafts(core, r)) for r in decoding]
         return {c.req_id: depth for c, depth in zip(candidates, self.policy.depths(candidates))}
 
     def build(self, core: EngineCore, batch: ScheduledBatch, result: StepResult) -> DraftBatch | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from shardserve.cluster.engine import spec_policy
 from shardserve.cluster.engine.spec_policy import AdaptivePolicy, Candidate, FixedPolicy, LinearFit, make_policy
 
 import pytest
@@ -322,3 +323,80 @@ def test_a_batch_size_visited_briefly_is_probed_after_its_own_cold_steps():
         _, _, history = Simulation([[0.6] * 4] * 12, seed=cycle, request_steps=2000 + cycle, **costs).run(policy, 2)
         tail_drafts.append(sum(1 for depths in history if any(depths)))
     assert sum(tail_drafts[4:]) == 0, tail_drafts
+
+
+def test_a_short_tail_stops_drafting_once_its_draft_passes_are_counted(monkeypatch):
+    """The demo benchmark's batch-32 runs, in costs fitted on it: 60 steps at batch 32 (drafting
+    loses) end in 3-step tails at batch 12, where the fits rate depth 3 ~1.15x of plain. A tail
+    that drafts pays a draft pass before its first verify step and one after its last, so it reads
+    ~0.9x of plain. That first pass is charged to drafting at batch 12 and 8 drafting steps
+    against 4 plain ones can veto it (16 of each need ~16 runs): the tails draft no more after a
+    few cycles, while with neither every tail drafted."""
+    costs = dict(a=0.0058, b=0.0002, j=0.002, v=0.00014, d=(0.0018, 0.0008, 0.00007, 0.000016))
+    tails = {}
+    for name, brief in (("16 steps", False), ("brief veto", True)):
+        policy = AdaptivePolicy(3)
+        with monkeypatch.context() as patch:
+            if not brief:
+                patch.setattr(policy, "_brief_ratio", lambda num_seqs, min_drafting=8: float("inf"))
+                patch.setattr(spec_policy._Realized, "charge", lambda self, seconds: None)
+            tails[name] = _tails(policy, costs)
+    print(tails)
+    tail = Simulation([[0.8] * 4] * 12, **costs)
+    assert _best_fixed_rate(tail)[0] == 3                       # where it lasts, depth 3 pays at batch 12
+    assert sum(tails["brief veto"][10:]) == 0 and sum(tails["16 steps"][10:]) >= 6, tails
+
+
+def _tails(policy, costs) -> list[int]:
+    """Drafting steps of each 3-step batch-12 tail after a 60-step batch-32 phase, 16 cycles."""
+    drafted = []
+    for cycle in range(16):
+        Simulation([[0.8] * 4] * 32, seed=cycle, request_steps=1000 + cycle, **costs).run(policy, 60)
+        _, _, history = Simulation([[0.8] * 4] * 12, seed=cycle, request_steps=2000 + cycle, **costs).run(policy, 3)
+        drafted.append(sum(1 for depths in history if any(depths)))
+    return drafted
+
+
+def test_a_vetoed_batch_size_stays_cold_without_weighing_depths():
+    """Once a batch size is vetoed (batch 8 of requests that live 4 steps: the fits overrate
+    drafting there) and the policy cold, :meth:`AdaptivePolicy.stays_cold` answers for the step (no
+    candidates built, no depths weighed, no draft cache kept warm) and counts it, until the next
+    probe of that batch size is due; the fixed policy never stays cold."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.6] * 4] * 8, request_steps=4, seed=1).run(policy, 200)
+    assert not policy.warm and policy._vetoed(8, -1)
+    cold_before = policy.cold_steps[policy.last_bucket]
+    answered = 0
+    while policy.stays_cold(8):
+        answered += 1
+    assert answered and policy.cold_steps[policy.last_bucket] == cold_before + answered
+    assert policy._probe_due(8) and policy.depths([Candidate("r", 3)])    # it stops where a probe is due
+    assert not policy.stays_cold(2)                              # batch 2 is not vetoed
+    assert not FixedPolicy(3).stays_cold(8)
+
+
+def test_a_probe_keeps_half_of_what_drafting_returned():
+    """A probe of a vetoed batch size halves its drafting ledgers instead of forgetting them: the
+    veto holds through one probe (the fits, which overrate short-lived requests here, do not get
+    16 more drafting steps at a loss) and lapses at the next, when drafting is tried again. Batch
+    8, requests that live 4 steps at acceptance 0.6: forgotten at each probe, drafting steps came
+    back after every probe (175 in 3,000 steps, 0.990x of plain); halved, 40 (0.997x)."""
+    sim = Simulation([[0.6] * 4] * 8, request_steps=4, seed=1)
+    policy = AdaptivePolicy(3)
+    seconds, tokens, history = sim.run(policy, 3000)
+    drafting = sum(1 for depths in history if any(depths))
+    assert drafting < 80 and tokens / seconds > 0.99 * sim.plain_rate(), (drafting, tokens / seconds / sim.plain_rate())
+
+
+def test_a_veto_lifts_when_drafting_comes_to_pay():
+    """Batch 8 of requests that live 4 steps (the fits overrate, drafting is vetoed), then
+    long-lived requests that accept 95 %: the probes' own steps (the halved ledger keeps the brief
+    veto armed) bring drafting back within ~1,000 steps, at nearly the best fixed depth's rate."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.6] * 4] * 8, request_steps=4, seed=1).run(policy, 1500)
+    assert policy._vetoed(8, -1)
+    good = Simulation([[0.95] * 4] * 8, request_steps=400, seed=2)
+    good.run(policy, 1000)
+    seconds, tokens, history = good.run(policy, 500)
+    _, best = _best_fixed_rate(good)
+    assert sum(1 for depths in history if any(depths)) > 400 and tokens / seconds > 0.95 * best
