@@ -237,10 +237,9 @@ class RouterCore:
         try:                                              # loaded may time out after it became ready
             status = await asyncio.wait_for(self.replicas.status(key), timeout=10)
         except Exception as exc:  # noqa: BLE001 - loading or restarting replicas answer late or fail
-            if served and replica.state in (READY, UNREACHABLE):   # it served: being replaced or restarted
-                self.pool.mark_unreachable(replica, f"status call failed: {type(exc).__name__}")
-                return
-            if replica.state in (READY, UNREACHABLE):      # ready meanwhile: a newer answer said so
+            if replica.state in (READY, UNREACHABLE):   # it served: being replaced or restarted (unless it
+                if served:                               # became ready after this call went out)
+                    self.pool.mark_unreachable(replica, f"status call failed: {type(exc).__name__}")
                 return
             status = {"state": LOADING, "address": replica.address, "error": None}
         try:
