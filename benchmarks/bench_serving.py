@@ -492,9 +492,10 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2C))")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama",
-                        help="subset of tp1,tp1-1t,tp1-dense,tp2,llama,dp2-least,dp2-prefix (tp1-1t: TP=1 on one "
-                             "torch thread, --cpus-per-worker 1, leaving the other cores to the serving processes; "
-                             "tp1-dense: TP=1 with --packed-dense-rows auto; "
+                        help="subset of tp1,tp1-1t,tp1-dense,tp1-proxy,tp2,llama,dp2-least,dp2-prefix (tp1-1t: "
+                             "TP=1 on one torch thread, --cpus-per-worker 1, leaving the other cores to the serving "
+                             "processes; tp1-dense: TP=1 with --packed-dense-rows auto; tp1-proxy: TP=1 behind Ray "
+                             "Serve's Python proxy (--ingress serve-proxy) instead of HAProxy; "
                              "dp2-*: TP=1 x 2 replicas, --routing "
                              "least-loaded / prefix-aware)")
     parser.add_argument("--workload", choices=["distinct", "shared-prefix"], default="distinct",
@@ -537,7 +538,8 @@ def main() -> None:
     results: list[RunResult] = []
     dispatch = dict(zip((1, 2), args.dispatch.split(",")))
     variants = ((1, "tp1", [], ""), (1, "tp1-1t", ["--cpus-per-worker", "1"], ", 1 torch thread"),
-                (1, "tp1-dense", ["--packed-dense-rows", "auto"], ", dense copies"), (2, "tp2", [], ""))
+                (1, "tp1-dense", ["--packed-dense-rows", "auto"], ", dense copies"),
+                (1, "tp1-proxy", ["--ingress", "serve-proxy"], ", Serve proxy"), (2, "tp2", [], ""))
     for tp, name, flags, label in variants:
         if name in servers:
             extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *flags, *args.shardserve_args.split()]

@@ -25,6 +25,7 @@ from shardserve.workers.compilation import COMPILE_MODES
 from shardserve.cluster.ray_errors import root_cause
 from shardserve.cluster.front_cli import check_ray_token_auth, front_config, front_flags, serve_args_fields
 from shardserve.cluster.frontend.security import refuse_exposed
+from shardserve.cluster.ingress import INGRESS_CHOICES
 from shardserve.cluster.scaling_cli import scaling_args_fields, scaling_flags, tcp_port
 from shardserve.workers.quantization import check_packed_dense_rows
 from shardserve.workers.model_source import DEFAULT_MODEL
@@ -410,6 +411,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from shardserve.cluster.frontend.security import check_tls_pair
+    from shardserve.cluster.ingress import ingress_env, resolve_ingress
     from shardserve.cluster.serve_app import build_app
     from shardserve.workers.model_source import resolve_model
 
@@ -427,7 +429,10 @@ def _serve(ns: argparse.Namespace) -> int:
         check_port_free(ns.host, ns.port, "--port")
         check_port_free(cfg.grpc_host, cfg.grpc_port, "--grpc-port")
         check_port_free(cfg.grpc_host, cfg.replica_grpc_port, "--replica-grpc-port")
+    ingress = resolve_ingress(ns.ingress, bool(ns.ssl_certfile))
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
+    if not ns.address:   # read by the Ray processes this starts; a joined cluster keeps its own
+        os.environ.update(ingress_env(ingress, local=True))
     init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
     _interrupt_event(stop)
     if ns.address:
@@ -559,7 +564,7 @@ def _manifest(ns: argparse.Namespace) -> int:
                        operator_namespace=ns.operator_namespace, model_pvc=ns.model_pvc,
                        model_mount=ns.model_mount, tls_secret=ns.tls_secret, ssl_certfile=ns.ssl_certfile,
                        ssl_keyfile=ns.ssl_keyfile, upgrade_strategy=ns.upgrade_strategy,
-                       service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []))
+                       service_type=ns.service_type, http_port=ns.port, env=dict(ns.env or []), ingress=ns.ingress)
     sys.stdout.write(render(cfg, layout, shlex.join(["shardserve", *ns.argv])))
     return 0
 
@@ -775,6 +780,12 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-host", default=None, help="interface the gRPC APIs bind (default: --host)")
     parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (default: none, HTTP)")
     parser.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile (default: none)")
+    parser.add_argument("--ingress", choices=INGRESS_CHOICES, default="auto",
+                        help="what carries HTTP to the router: Ray Serve's HAProxy ingress (C, forwards each "
+                             "connection to the router's own HTTP server) or its Python proxy actor (relays "
+                             "every streamed chunk as a Ray call); auto: haproxy unless --ssl-certfile. Applies "
+                             "to a Ray cluster this command starts (or the pods of `manifest`); a cluster joined "
+                             "with --address keeps the ingress it was started with")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     parser.add_argument("--drain-timeout-s", type=finite_float, default=300.0,
                         help="seconds a replaced replica may take to finish its running requests (size it for "

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from shardserve.cluster.frontend.security import check_tls_pair
+from shardserve.cluster.ingress import ingress_env, resolve_ingress
 from shardserve.cluster.serve_app import ServeArgs
 
 RAY_VERSION = "2.60.0"
@@ -110,6 +111,8 @@ class PodLayout:
         upgrade_strategy: RayService ``upgradeStrategy.type`` for ``rayClusterConfig`` changes.
         service_type: type of the OpenAI API Service.
         http_port: Serve's HTTP port. env: extra environment of every Ray container.
+        ingress: ``--ingress`` (:mod:`cluster.ingress`): ``auto`` / ``haproxy`` set Ray Serve's HAProxy
+            ingress in every Ray container's environment (not with ``ssl_certfile``).
     """
 
     name: str = "shardserve"
@@ -133,6 +136,7 @@ class PodLayout:
     service_type: str = "ClusterIP"
     http_port: int = 8000
     env: dict[str, str] = field(default_factory=dict)
+    ingress: str = "auto"
 
 
 @dataclass(slots=True)
@@ -212,6 +216,10 @@ def _validate(args: ServeArgs, layout: PodLayout) -> None:
         pass   # both given: the files live in the pods
     except ValueError as exc:
         raise LayoutError(str(exc)) from exc
+    try:
+        resolve_ingress(layout.ingress, bool(layout.ssl_certfile))
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
     try:   # keys come from Secrets in the pods: none is read here, and the check is _check_keys'
         dataclasses.replace(args, grpc_tls_cert=None, grpc_tls_key=None, api_key=[], admin_api_key=[],
                             grpc_host="127.0.0.1").validate()
@@ -222,6 +230,7 @@ def _validate(args: ServeArgs, layout: PodLayout) -> None:
 
 
 _RAY_PORTS = {6379: "Ray's GCS", 8265: "the Ray dashboard"}
+_HAPROXY_PORTS = {8404: "HAProxy's stats page", 9101: "HAProxy's Prometheus exporter"}   # Ray's defaults
 _MANAGED_ENV = ("SHARDSERVE_API_KEY", "SHARDSERVE_ADMIN_API_KEY")
 
 
@@ -237,6 +246,8 @@ def _check_pod_settings(args: ServeArgs, layout: PodLayout) -> None:
     if not 1 <= layout.http_port <= 65535:
         raise LayoutError(f"--port must be a TCP port (1-65535) a pod can open, got {layout.http_port}")
     taken: dict[int, str] = dict(_RAY_PORTS)
+    if resolve_ingress(layout.ingress, bool(layout.ssl_certfile)) == "haproxy":
+        taken.update(_HAPROXY_PORTS)
     for flag, port in ports:
         if port is None:
             continue
@@ -303,6 +314,7 @@ def serve_config(args: ServeArgs, layout: PodLayout) -> dict:
 def _env(args: ServeArgs, layout: PodLayout) -> dict:
     """``{"env": [...]}`` of a Ray container (empty when there is nothing to set)."""
     env = dict(_NCCL_ENV) if args.worker_gpus() else {}
+    env.update(ingress_env(resolve_ingress(layout.ingress, bool(layout.ssl_certfile)), local=False))
     env.update(layout.env)
     out = [{"name": key, "value": value} for key, value in env.items()]
     out.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})

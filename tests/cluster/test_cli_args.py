@@ -132,6 +132,28 @@ def test_https_certificate_without_its_key_is_one_line_and_exit_2():
     assert proc.returncode == 2 and proc.stderr == "shardserve: error: --ssl-certfile needs --ssl-keyfile too\n"
 
 
+def test_haproxy_ingress_with_https_is_one_line_and_exit_2(tmp_path):
+    """Ray's HAProxy ingress does not terminate TLS: refused before the model is fetched or Ray starts."""
+    exe = Path(sys.executable).parent / "shardserve"
+    (tmp_path / "c.pem").write_text("x")
+    (tmp_path / "k.pem").write_text("x")
+    proc = subprocess.run([str(exe), "serve", "--ingress", "haproxy", "--ssl-certfile", str(tmp_path / "c.pem"),
+                           "--ssl-keyfile", str(tmp_path / "k.pem")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("shardserve: error: --ingress haproxy cannot serve HTTPS")
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_ingress_auto_is_haproxy_unless_https():
+    from shardserve.cluster.ingress import ingress_env, resolve_ingress
+
+    assert (resolve_ingress("auto", tls=False), resolve_ingress("auto", tls=True)) == ("haproxy", "serve-proxy")
+    assert ingress_env("serve-proxy", local=True) == {}
+    local, pods = ingress_env("haproxy", local=True), ingress_env("haproxy", local=False)
+    assert local["RAY_SERVE_ENABLE_HA_PROXY"] == pods["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    # a local server's HAProxy stats page and exporter get free ports, not Ray's fixed 8404 / 9101
+    assert {"RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"} <= local.keys() - pods.keys()
+
+
 def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command="serve"):
     """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started
     (``serve-grpc`` alike: test_front_door_settings_are_checked_before_ray_starts)."""

@@ -246,6 +246,23 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
     assert {"name": "tls", "secret": {"secretName": "shardserve-tls"}} in group["template"]["spec"]["volumes"]
     assert {"name": "tls", "mountPath": tls, "readOnly": True} in container["volumeMounts"]
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in {e["name"] for e in container["env"]}   # HAProxy: no TLS
+
+
+def test_every_ray_container_runs_serves_haproxy_ingress_by_default(capsys):
+    """Ray's high-throughput switches (cluster/ingress.py) in the head's and every worker group's env;
+    ``--ingress serve-proxy`` leaves Ray's Python proxy."""
+    def ray_envs(flags):
+        assert main(["manifest", "--api-key-secret", "keys", *flags]) == 0
+        doc = next(yaml.safe_load_all(capsys.readouterr().out))
+        cluster = doc["spec"]["rayClusterConfig"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        return [{e["name"]: e.get("value") for e in g["template"]["spec"]["containers"][0]["env"]} for g in groups]
+
+    envs = ray_envs([])
+    assert len(envs) >= 2 and all(env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and
+                                  env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" for env in envs), envs
+    assert not any("RAY_SERVE_ENABLE_HA_PROXY" in env for env in ray_envs(["--ingress", "serve-proxy"]))
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -276,6 +293,9 @@ def test_device_front_door_and_tls_flags_reach_the_rayservice(validators, capsys
     (["--env", "SHARDSERVE_POD_IP=1.2.3.4"], "set by the manifest"),
     (["--address", "10.0.0.1:6379"], "--address applies to a Ray cluster `serve` joins"),
     (["--allow-ray-without-auth"], "the RayService starts its own"),
+    (["--ingress", "haproxy", "--tls-secret", "t", "--ssl-certfile", "/etc/shardserve/tls/tls.crt", "--ssl-keyfile",
+      "/etc/shardserve/tls/tls.key"], "--ingress haproxy cannot serve HTTPS"),
+    (["--grpc-port", "9101"], "--grpc-port 9101: the pods use that port for HAProxy's Prometheus exporter"),
 ])
 def test_a_layout_that_cannot_fit_is_one_line_and_exit_2(bad, message, capsys):
     assert main(["manifest", "--api-key-secret", "keys", *bad]) == 2
