@@ -433,6 +433,7 @@ def _serve(ns: argparse.Namespace) -> int:
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     if not ns.address:   # read by the Ray processes this starts; a joined cluster keeps its own
         os.environ.update(ingress_env(ingress, local=True))
+        _adopt_orphans()
     init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
     _interrupt_event(stop)
     if ns.address:
@@ -484,7 +485,43 @@ def _serve(ns: argparse.Namespace) -> int:
             _while_ray_lives(lambda: serve.delete(ns.app_name) if ns.address else serve.shutdown())
         finally:
             ray.shutdown()
+            if not ns.address:
+                _stop_leftovers()
     return 0
+
+
+def _adopt_orphans() -> None:
+    """Make this process the child subreaper of what it starts (Linux ``PR_SET_CHILD_SUBREAPER``).
+
+    Ray Serve's HAProxy (:mod:`cluster.ingress`) is a subprocess of an actor, in that actor's
+    process group, outside Ray's own bookkeeping: when a signal to this command's process group
+    stops the actor before it stops HAProxy, HAProxy lived on holding ``--port``. As subreaper,
+    this process inherits such orphans and :func:`_stop_leftovers` stops them at exit."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):   # not Linux: nothing is adopted, nothing changes
+        pass
+
+
+def _stop_leftovers(timeout_s: float = 5.0) -> None:
+    """After ``ray.shutdown()`` of a cluster this command started: SIGTERM, then SIGKILL after
+    ``timeout_s`` seconds, whatever is still running below this process (adopted orphans)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _while_ray_lives(shutdown) -> None:
