@@ -484,6 +484,8 @@ def _serve(ns: argparse.Namespace) -> int:
             # ns.address: leave the rest of a shared cluster alone
             _while_ray_lives(lambda: serve.delete(ns.app_name) if ns.address else serve.shutdown())
         finally:
+            if not ns.address:   # first: ray.shutdown() can wait a minute for a GCS a signal stopped
+                _stop_leftovers("haproxy")
             ray.shutdown()
             if not ns.address:
                 _stop_leftovers()
@@ -505,12 +507,14 @@ def _adopt_orphans() -> None:
         pass
 
 
-def _stop_leftovers(timeout_s: float = 5.0) -> None:
-    """After ``ray.shutdown()`` of a cluster this command started: SIGTERM, then SIGKILL after
-    ``timeout_s`` seconds, whatever is still running below this process (adopted orphans)."""
+def _stop_leftovers(name: str | None = None, timeout_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s`` seconds, the processes below this one (those named
+    ``name``; all of them: after ``ray.shutdown()`` of a cluster this command started, what is left
+    are adopted orphans)."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    children = [child for child in psutil.Process().children(recursive=True)
+                if name is None or _process_name(child) == name]
     for child in children:
         try:
             child.terminate()
@@ -522,6 +526,15 @@ def _stop_leftovers(timeout_s: float = 5.0) -> None:
             child.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def _process_name(process) -> str | None:
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:
+        return None
 
 
 def _while_ray_lives(shutdown) -> None:
