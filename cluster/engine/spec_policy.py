@@ -507,6 +507,8 @@ class AdaptivePolicy(FixedPolicy):
             return []
         num_seqs = len(candidates)
         bucket = self.last_bucket = _bucket(num_seqs)
+        if not any(c.max_depth for c in candidates):         # no room for a draft (max_tokens, context):
+            return [0] * num_seqs                            # nothing to weigh, and no reason to cool down
         self.exploring = True                                # (the pass after this step is not charged)
         if self.probe_next:                                  # a probe decided on a cold step: its drafts
             depth, self.probe_next = self.probe_next, 0      # come from this (warm) step's pass

@@ -400,3 +400,18 @@ def test_a_veto_lifts_when_drafting_comes_to_pay():
     seconds, tokens, history = good.run(policy, 500)
     _, best = _best_fixed_rate(good)
     assert sum(1 for depths in history if any(depths)) > 400 and tokens / seconds > 0.95 * best
+
+
+def test_a_request_out_of_room_for_drafts_does_not_cool_the_policy():
+    """The last steps of a request have no room for a draft (``max_tokens`` is near): that is no
+    verdict on drafting. Counted as steps that drafted nothing, they turned the policy cold at the end
+    of every request, so the next request's prompt skipped the draft model, its drafts missed the
+    prompt, and served batch-1 decoding drafted 20 instead of 40 times a 120-token request on the
+    demo model (issue 31)."""
+    sim = Simulation([[0.9, 0.8, 0.7, 0.6]])
+    policy = AdaptivePolicy(3)
+    _, _, history = sim.run(policy, 300)
+    assert policy.warm and all(history[-20:])
+    for _ in range(spec_policy.WARM_IDLE_LIMIT + 2):   # the request's tail
+        assert policy.depths([Candidate("tail", 0)]) == [0]
+    assert policy.warm and policy.wants_hidden(0, 12, batch_after=1)   # the next prompt is cached
