@@ -80,6 +80,7 @@ WARM_MARGIN = 1.0            # stay warm only while drafting's estimate reaches 
 DRAFT_MARGIN = 1.05          # draft only when its estimate beats the plain rate by this factor
 RECHECK_INTERVAL = 16        # drafting steps between two re-measuring steps (plain, then a neighbour depth)
 WARM_IDLE_LIMIT = 3          # warm steps in a row that draft nothing before the policy goes cold
+SHORT_IDLE_LIMIT = 8         # ... not counting up to this many whose requests had no room for K drafts
 MIN_PROBE_INTERVAL = 64      # cold steps between explorations of a batch-size bucket, at first
 MAX_PROBE_INTERVAL = 1024    # ... and at most (doubled by each probe, reset where drafting paid)
 LEDGER_DECAY = 0.98          # per observation: the realized rates follow the last ~50 steps of a kind
@@ -310,6 +311,7 @@ class AdaptivePolicy(FixedPolicy):
         self.cold_steps: dict[int, int] = {}           # batch-size bucket -> cold steps at it since its last
         self.last_bucket = 0                            # probe or warm step; the bucket of the last decision
         self.warm_idle = 0                              # warm steps in a row that drafted nothing
+        self.short_steps = 0                            # ... of which every request was short of room
         self.drafting_steps = 0                         # since the last re-measuring step
         self.rechecks = 0
         self.probes = 0                                 # exploring steps so far (their depth cycles 1..K)
@@ -507,8 +509,12 @@ class AdaptivePolicy(FixedPolicy):
             return []
         num_seqs = len(candidates)
         bucket = self.last_bucket = _bucket(num_seqs)
-        if not any(c.max_depth for c in candidates):         # no room for a draft (max_tokens, context):
-            return [0] * num_seqs                            # nothing to weigh, and no reason to cool down
+        short = all(c.max_depth < self.max_depth for c in candidates)   # every request near its end
+        if not any(c.max_depth for c in candidates):         # no room for a draft (max_tokens, context)
+            if self.warm and not self._short_of_room():
+                self.warm_idle += 1
+                self.warm = self.warm_idle < WARM_IDLE_LIMIT
+            return [0] * num_seqs
         self.exploring = True                                # (the pass after this step is not charged)
         if self.probe_next:                                  # a probe decided on a cold step: its drafts
             depth, self.probe_next = self.probe_next, 0      # come from this (warm) step's pass
@@ -547,10 +553,12 @@ class AdaptivePolicy(FixedPolicy):
             rate = self._rate(choice, reach, num_seqs, plain_s)
             if rate > best_rate:
                 best_rate, best = rate, choice
+        if not any(best) and short and self._short_of_room():   # the requests' room, not drafting's
+            return best                                            # worth, decided this step
         drafting_rate = best_rate if any(best) else self._rate([min(1, c.max_depth) for c in candidates], reach,
                                                                 num_seqs, plain_s)
         if any(best):
-            self.warm_idle = 0
+            self.warm_idle = self.short_steps = 0
         elif self.warm:
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
@@ -573,6 +581,19 @@ class AdaptivePolicy(FixedPolicy):
             self.drafting_steps = 0
         self.chosen = max(best)
         return best
+
+    def _short_of_room(self) -> bool:
+        """A step that drafts nothing because every request is within ``K`` tokens of its end
+        (``max_tokens``, the context) leaves the warm/cold state as it is, up to
+        ``SHORT_IDLE_LIMIT`` such steps in a row (True), as warm steps that drafted nothing they
+        turned the policy cold at the end of every request: the next request's prompt then skipped
+        the draft model, its drafts missed the prompt, and served batch-1 decoding on the demo model
+        drafted about half as often (issue 31). Past the limit (a stream of requests too short to
+        draft) they count as idle warm steps again (False)."""
+        if not self.warm or self.short_steps >= SHORT_IDLE_LIMIT:
+            return False
+        self.short_steps += 1
+        return True
 
     def _vetoed(self, num_seqs: int, depth: int) -> bool:
         """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those

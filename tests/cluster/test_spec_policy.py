@@ -415,3 +415,12 @@ def test_a_request_out_of_room_for_drafts_does_not_cool_the_policy():
     for _ in range(spec_policy.WARM_IDLE_LIMIT + 2):   # the request's tail
         assert policy.depths([Candidate("tail", 0)]) == [0]
     assert policy.warm and policy.wants_hidden(0, 12, batch_after=1)   # the next prompt is cached
+
+
+def test_requests_too_short_to_draft_still_turn_the_policy_cold():
+    """The other side: a stream of requests that never have room for K drafts (max_tokens 2: one
+    decode step each) must not keep the draft cache warm (a draft pass every step) for ever."""
+    policy = AdaptivePolicy(3)
+    for step in range(spec_policy.SHORT_IDLE_LIMIT + spec_policy.WARM_IDLE_LIMIT + 1):
+        policy.depths([Candidate(f"r{step}", 0)])
+    assert not policy.warm
