@@ -415,12 +415,15 @@ class AdaptivePolicy(FixedPolicy):
         """Whether drafting clearly pays at ``num_seqs`` decoding requests: a step drafting at some
         depth at the pooled mean acceptance (not :meth:`acceptance`'s optimistic one: a prompt pass
         is an investment, not an experiment), whose draft pass also writes ``prompt_tokens``
-        entries, beats the plain rate by the drafting margin, and the realized rates at that batch
-        size (if measured) agree by the same margin (True while the costs are being measured)."""
+        entries, beats the plain rate by the drafting margin, the realized rates at that batch
+        size (if measured) agree by the same margin, and no veto stands there (a probe halves the
+        ledgers below ``LEDGER_MIN``, where the brief veto still holds: the prompts of a demo batch-32
+        run went through the draft model after one, 0.90x of k = 0) (True while the costs are being
+        measured)."""
         if not self._costs_known():
             return True
         ratio = self._realized_ratio(num_seqs)
-        if ratio is not None and ratio < DRAFT_MARGIN:
+        if (ratio is not None and ratio < DRAFT_MARGIN) or self._vetoed(num_seqs, ANY_DEPTH):
             return False
         rates = [self.pool.hits[j] / self.pool.trials[j] for j in range(self.max_depth)]
         reach = [_reach(rates, self.max_depth)] * num_seqs

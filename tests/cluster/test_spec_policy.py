@@ -424,3 +424,21 @@ def test_requests_too_short_to_draft_still_turn_the_policy_cold():
     for step in range(spec_policy.SHORT_IDLE_LIMIT + spec_policy.WARM_IDLE_LIMIT + 1):
         policy.depths([Candidate(f"r{step}", 0)])
     assert not policy.warm
+
+
+def test_no_prompt_enters_the_draft_cache_where_a_veto_stands_after_a_probe():
+    """A probe halves a vetoed batch size's ledgers below ``LEDGER_MIN``, where the brief veto
+    still holds: prompts joining that batch size must stay out of the draft model then too (the
+    demo benchmark's batch-32 prefill went through it after a probe: 0.90x of k = 0), while
+    drafting at the same batch still stays vetoed."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.6] * 4] * 8, request_steps=4, seed=1).run(policy, 200)
+    assert policy._vetoed(8, spec_policy.ANY_DEPTH)
+    for depth, ledger in policy.realized[spec_policy._bucket(8)].items():
+        if depth != 0:
+            ledger.halve(True)                                      # as the first probes do
+    assert policy._realized_ratio(8) is None and policy._vetoed(8, spec_policy.ANY_DEPTH)
+    policy.warm = True
+    policy._rate = lambda *args, **kwargs: 1e9      # the fits overrate drafting, as at the demo's batch 32
+    assert policy.wants_hidden(8, 0, 8) and not policy.wants_hidden(0, 64, batch_after=8)
+    assert policy.wants_hidden(0, 64, batch_after=1)                # not vetoed there: the fits decide
