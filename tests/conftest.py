@@ -45,10 +45,25 @@ def smollm2_hf(smollm2_files):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster with 8 logical CPUs (enough bundles for TP=3 + a coordinator on
-    this 2-core machine); shut down at the end of the session, even on failure."""
+    this 2-core machine), whose Serve ingress is what ``shardserve serve`` starts by default (Ray
+    Serve's HAProxy, cluster/ingress.py); shut down at the end of the session, even on failure."""
+    import os
+
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    from shardserve.cluster.ingress import ingress_env
+
+    env = ingress_env("haproxy", local=True)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)   # read by the Ray processes ray.init starts
+    try:
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     try:
         yield ray
     finally:
