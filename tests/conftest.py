@@ -48,22 +48,14 @@ def ray_cluster():
     this 2-core machine), whose Serve ingress is what ``shardserve serve`` starts by default (Ray
     Serve's HAProxy, cluster/ingress.py); shut down at the end of the session, even on failure."""
     import os
+    from unittest import mock
 
     import ray
 
     from shardserve.cluster.ingress import ingress_env
 
-    env = ingress_env("haproxy", local=True)
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)   # read by the Ray processes ray.init starts
-    try:
+    with mock.patch.dict(os.environ, ingress_env("haproxy", local=True)):   # read by the processes it starts
         ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
     try:
         yield ray
     finally:

@@ -416,14 +416,14 @@ class AdaptivePolicy(FixedPolicy):
         depth at the pooled mean acceptance (not :meth:`acceptance`'s optimistic one: a prompt pass
         is an investment, not an experiment), whose draft pass also writes ``prompt_tokens``
         entries, beats the plain rate by the drafting margin, the realized rates at that batch
-        size (if measured) agree by the same margin, and no veto stands there (a probe halves the
+        size (if measured) agree by the same margin, and no brief veto stands there (a probe halves the
         ledgers below ``LEDGER_MIN``, where the brief veto still holds: the prompts of a demo batch-32
         run went through the draft model after one, 0.90x of k = 0) (True while the costs are being
         measured)."""
         if not self._costs_known():
             return True
         ratio = self._realized_ratio(num_seqs)
-        if (ratio is not None and ratio < DRAFT_MARGIN) or self._vetoed(num_seqs, ANY_DEPTH):
+        if (ratio is not None and ratio < DRAFT_MARGIN) or self._brief_ratio(num_seqs) < BRIEF_VETO:
             return False
         rates = [self.pool.hits[j] / self.pool.trials[j] for j in range(self.max_depth)]
         reach = [_reach(rates, self.max_depth)] * num_seqs
@@ -512,8 +512,8 @@ class AdaptivePolicy(FixedPolicy):
             return []
         num_seqs = len(candidates)
         bucket = self.last_bucket = _bucket(num_seqs)
-        short = all(c.max_depth < self.max_depth for c in candidates)   # every request near its end
-        if not any(c.max_depth for c in candidates):         # no room for a draft (max_tokens, context)
+        room = max(c.max_depth for c in candidates)          # < K: every request near its end
+        if not room:                                         # no room for a draft (max_tokens, context)
             if self.warm and not self._short_of_room():
                 self.warm_idle += 1
                 self.warm = self.warm_idle < WARM_IDLE_LIMIT
@@ -556,7 +556,7 @@ class AdaptivePolicy(FixedPolicy):
             rate = self._rate(choice, reach, num_seqs, plain_s)
             if rate > best_rate:
                 best_rate, best = rate, choice
-        if not any(best) and short and self._short_of_room():   # the requests' room, not drafting's
+        if not any(best) and room < self.max_depth and self._short_of_room():   # the requests' room, not drafting's
             return best                                            # worth, decided this step
         drafting_rate = best_rate if any(best) else self._rate([min(1, c.max_depth) for c in candidates], reach,
                                                                 num_seqs, plain_s)
