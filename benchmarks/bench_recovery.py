@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,9 @@ from pathlib import Path
 
 import grpc
 
+from shardserve.cluster.ports import unused_port
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def health(base: str) -> int:
@@ -65,7 +59,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=2)
     ns = parser.parse_args()
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = unused_port(), unused_port()
     base = f"http://127.0.0.1:{http_port}"
     log = tempfile.NamedTemporaryFile("w", prefix="bench_recovery_", suffix=".log", delete=False)
     env = dict(os.environ, RAY_AUTH_MODE="disabled")

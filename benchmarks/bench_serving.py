@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shardserve.cluster.ports import unused_port
 
 BIN = Path(sys.executable).parent
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
@@ -165,12 +166,6 @@ HEADER = (f"{'server':<18} {'clients':>7} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>
 
 
 # -- servers --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ready(url: str) -> bool:
     """``/health`` answers 200 (llama-server) with every replica ready (shardserve)."""
     try:
@@ -543,7 +538,7 @@ def main() -> None:
     for tp, name, flags, label in variants:
         if name in servers:
             extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *flags, *args.shardserve_args.split()]
-            server = shardserve_server(gguf, tp, free_port(), log_dir / f"bench_serving_{name}.log", extra,
+            server = shardserve_server(gguf, tp, unused_port(), log_dir / f"bench_serving_{name}.log", extra,
                                        args.kv_cache_gib, args.api_key)
             server.name += label
             measure_server(server, concurrencies, args, results)
@@ -551,12 +546,12 @@ def main() -> None:
         if f"dp2-{routing}" in servers:
             extra = ["-dp", "2", "--routing", {"least": "least-loaded", "prefix": "prefix-aware"}[routing],
                      "--compile", args.compile, *args.shardserve_args.split()]
-            server = shardserve_server(gguf, 1, free_port(), log_dir / f"bench_serving_dp2_{routing}.log", extra,
+            server = shardserve_server(gguf, 1, unused_port(), log_dir / f"bench_serving_dp2_{routing}.log", extra,
                                        args.kv_cache_gib, args.api_key)
             server.name = f"dp2 {routing}"
             measure_server(server, concurrencies, args, results)
     if binary is not None:
-        measure_server(llama_server(binary, gguf, free_port(), log_dir / "bench_serving_llama.log",
+        measure_server(llama_server(binary, gguf, unused_port(), log_dir / "bench_serving_llama.log",
                                     max(concurrencies), 512), concurrencies, args, results)
     print_ratios(results, concurrencies)
     print_memory(args, gguf)

@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_serving as bs  # noqa: E402
 
+from shardserve.cluster.ports import unused_port  # noqa: E402
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -88,10 +90,10 @@ def main() -> None:
     for tp in (1, 2):   # one server at a time: each has the machine to itself
         if f"tp{tp}" in servers:
             extra = ["--dispatch", dispatch[tp], "--compile", args.compile, *args.shardserve_args.split()]
-            _run(bs.shardserve_server(gguf, tp, bs.free_port(), Path(args.log_dir) / f"cpu_per_token_tp{tp}.log",
+            _run(bs.shardserve_server(gguf, tp, unused_port(), Path(args.log_dir) / f"cpu_per_token_tp{tp}.log",
                                       extra, 0.25), args)
     if "llama" in servers:
-        _run(bs.llama_server(llama_server_path(), gguf, bs.free_port(), Path(args.log_dir) / "cpu_per_token_llama.log",
+        _run(bs.llama_server(llama_server_path(), gguf, unused_port(), Path(args.log_dir) / "cpu_per_token_llama.log",
                              max(1, args.concurrency), 4096), args)
 
 

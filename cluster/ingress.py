@@ -22,7 +22,7 @@ without ``--ssl-certfile`` and ``serve-proxy`` with it.
 
 from __future__ import annotations
 
-import socket
+from shardserve.cluster.ports import unused_port
 
 INGRESS_CHOICES = ("auto", "haproxy", "serve-proxy")
 # A stopped ingress replica waits this long before it stops accepting (Ray's default is 30 s, for
@@ -64,12 +64,6 @@ def ingress_env(ingress: str, local: bool) -> dict[str, str]:
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAIN_S}
     if local:
-        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(unused_port(""))
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(unused_port(""))
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

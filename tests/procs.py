@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,15 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from shardserve.cluster.ports import unused_port
+
 BIN = Path(sys.executable).parent   # this venv's console scripts (shardserve, ray, serve)
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now that a starting Ray cluster will not take before the
+    server under test binds it (``cluster/ports.py``)."""
+    return unused_port("127.0.0.1")
 
 
 def run_ranks(fn, args: tuple, nprocs: int, timeout_s: float) -> None:

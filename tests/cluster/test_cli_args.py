@@ -154,6 +154,21 @@ def test_ingress_auto_is_haproxy_unless_https():
     assert {"RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"} <= local.keys() - pods.keys()
 
 
+def test_unused_ports_avoid_the_ranges_others_take_ports_from():
+    """A port picked now and bound a minute later lies outside the kernel's ephemeral range (where
+    every outgoing connection's local port comes from) and Ray's worker ports, and binds."""
+    import socket
+
+    from shardserve.cluster.ports import _ephemeral_range, unused_port
+
+    low, high = _ephemeral_range()
+    ports = {unused_port() for _ in range(20)}
+    assert all(20000 <= p <= 32767 and not low <= p <= high for p in ports), ports
+    assert len(ports) > 1   # random: two servers started together rarely pick the same one
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
+
+
 def test_a_non_loopback_bind_without_a_key_is_refused_by_the_real_command(command="serve"):
     """Issue 27's secure default, as a user meets it: one line, exit code 2, nothing started
     (``serve-grpc`` alike: test_front_door_settings_are_checked_before_ray_starts)."""

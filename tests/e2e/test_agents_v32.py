@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 
 from agent_helpers import both  # noqa: E402
+from procs import free_port  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,12 +56,6 @@ def write_byte_tokenizer(path: Path) -> int:
     tokenizer.add_tokens(SPECIALS[2:])
     tokenizer.save_pretrained(str(path))
     return len(tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RouterServer:

@@ -8,7 +8,6 @@ import copy
 import json
 import math
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from agent_helpers import both
+from procs import free_port
 from shardserve.cluster.engine.request import SamplingParams
 from shardserve.cluster.tokenizer import encode_chat
 from shardserve.proto import inference_pb2 as pb
@@ -32,12 +32,6 @@ MAX_MODEL_LEN = 512
 APP_NAME = "shardserve-test"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 JAPANESE = [{"role": "user", "content": "Write 'thank you' in Japanese."}]  # greedy answer: kana/kanji
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str, bytes]:
