@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="engine --dtype (default: the engine's default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--compile", default="off", choices=["off", "auto", "on"], help="engine --compile")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -38,6 +39,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     extra = {"dtype": args.dtype} if args.dtype else {}
+    extra["compile"] = args.compile
     llm = LLM(EngineArgs(model=args.model, kv_cache_gib=0.05, **extra), progress=False)
     llm.core.add_request(llm.encode("The history of the Roman Empire"),
                          SamplingParams(max_tokens=3 * args.steps + 16, temperature=0, ignore_eos=True))
@@ -67,7 +69,7 @@ def main() -> None:
                for name, ops in GROUPS.items()}
     grouped["other ops"] = total - sum(grouped.values())
     print(f"batch-1 decode step: {step_ms:.2f} ms ({sum(runner_s) / len(runner_s) * 1e3:.2f} ms in the runner), "
-          f"{getattr(llm.runner, 'dtype', 'float32')}, {torch.get_num_threads()} threads")
+          f"{getattr(llm.runner, 'dtype', 'float32')}, {torch.get_num_threads()} threads, --compile {args.compile}")
     print(f"profiled ({args.steps} steps, per step): ATen ops {total:.2f} ms: "
           + ", ".join(f"{name} {ms:.2f}" for name, ms in grouped.items()))
     calls = {e.key: e.count / args.steps for e in events if e.key.startswith("aten::")}

@@ -63,7 +63,9 @@ _ACTIVE_MODULES: dict[str, nn.Module] = {}
 def _opaque(inputs: list[torch.Tensor], name: str, args: list[int]) -> list[torch.Tensor]:
     # NOTE: the call may write the module's caches (KV, latent, indexer, recurrent state): they
     # are not graph values, and nothing else in the graph reads them, so order is preserved.
-    return list(_ACTIVE_MODULES[name].opaque_forward(*inputs, *args))
+    # Outputs are made contiguous, the strides the fakes promise and the compiled code reads by
+    # (MLA's attention returns a [T, H, D] view of [H, T, D]; contiguous() is free otherwise).
+    return [out.contiguous() for out in _ACTIVE_MODULES[name].opaque_forward(*inputs, *args)]
 
 
 @_opaque.register_fake
