@@ -24,7 +24,10 @@ SPLITS = {"llama": [2.0, 1.0], "deepseek_v3": [1.0, 3.0], "deepseek_v32": [3.0, 
           "qwen3_next": [3.0, 1.0]}
 TIMEOUT_S = 1200   # a cold Inductor build of one family took ~10 min on a loaded 2-core machine
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(TIMEOUT_S + 300)]   # over the suite's 600 s default
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 300)]   # over the suite's 600 s default
+# make test compiles one MLA family (MLA, DSA, MoE: ~15 s); every family and TP=2 are extended. The
+# MLA families failed here unnoticed while only extended runs compiled them.
+IN_MAKE_TEST = ("deepseek_v32",)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,8 @@ def _rank(rank: int, world_size: int, port: int, jobs: list[tuple[str, str]], ou
         group.close()
 
 
-@pytest.mark.parametrize("arch", list(SPLITS))
+@pytest.mark.parametrize("arch", [arch if arch in IN_MAKE_TEST else pytest.param(arch, marks=pytest.mark.extended)
+                                  for arch in SPLITS])
 def test_tp1_compiled_equals_eager(checkpoints, arch):
     path = checkpoints[arch]
     eager = run_script(make_runner(path))
@@ -84,6 +88,7 @@ def test_tp1_compiled_equals_eager(checkpoints, arch):
     assert diff < 1e-4 * max(1.0, eager.abs().max().item()), f"{arch}: max |compiled - eager| = {diff}"
 
 
+@pytest.mark.extended
 def test_tp2_compiled_equals_tp1_eager(checkpoints, tmp_path):
     jobs = list(checkpoints.items())
     out_path = tmp_path / "tp2.pt"
