@@ -31,6 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels.ops import define_op
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)   # what _weight_int4pack_mm_for_cpu accepts
 
 
@@ -171,17 +173,14 @@ def _packed_matmul_eager(x: torch.Tensor, weights: list[torch.Tensor], kind: str
     return int8_linear(x, weights[0], weights[1])
 
 
-@torch.library.custom_op("shardserve::packed_matmul", mutates_args=())
-def _packed_matmul_op(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
-                      dense_rows: int) -> torch.Tensor:
-    return _packed_matmul_eager(x, weights, kind, group_size, dense_rows)
-
-
-@_packed_matmul_op.register_fake
 def _packed_matmul_fake(x: torch.Tensor, weights: list[torch.Tensor], kind: str, group_size: int,
                         dense_rows: int) -> torch.Tensor:
     num_out = weights[0].shape[0] if kind == "int8" else weights[1].shape[1]
     return x.new_empty((x.shape[0], num_out), dtype=weights[1].dtype)
+
+
+define_op("packed_matmul(Tensor x, Tensor[] weights, str kind, int group_size, int dense_rows) -> Tensor",
+          _packed_matmul_eager, _packed_matmul_fake)
 
 
 DENSE_ROWS = 16   # the threshold dense_rows_auto gives where the dense copy pays

@@ -3,8 +3,14 @@ it, and transformers' model on the same file as the oracle."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Compiled forwards in tests (and the processes they start) keep Inductor's size/stride asserts,
+# which a served one leaves out (workers/compilation.py): a fake that disagrees with its op fails here.
+os.environ.setdefault("SHARDSERVE_COMPILE_ASSERTS", "1")
 
 
 @pytest.fixture(scope="session")
