@@ -45,6 +45,25 @@ class ShardWorker(ReloadableRank):
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
+    def open_step_channel(self, node_id: str) -> str | None:
+        """Serve steps over a Unix socket (``workers/step_channel.py``) to a coordinator on node
+        ``node_id``; returns the socket's path, or None when this rank runs on another node (the
+        coordinator keeps sending steps as Ray calls). A second call replaces the first channel."""
+        import ray
+
+        from shardserve.workers.step_channel import StepServer
+
+        self.close_step_channel()
+        if ray.get_runtime_context().get_node_id() != node_id:
+            return None
+        self.step_server = StepServer(self.execute)
+        return self.step_server.path
+
+    def close_step_channel(self) -> None:
+        server, self.step_server = getattr(self, "step_server", None), None
+        if server is not None:
+            server.close()
+
     def free_port(self) -> int:
         with socket.socket() as sock:
             sock.bind(("", 0))
@@ -166,4 +185,5 @@ class ShardWorker(ReloadableRank):
         self.group = self.expert_group = None
 
     def shutdown(self) -> None:
+        self.close_step_channel()
         self.leave_group()

@@ -598,6 +598,7 @@ class Coordinator:
             "attention_dp_size": self.args.attention_groups, "kv_capacity_tokens": bm.num_blocks * bm.block_size,
             "num_running": len(self.core.scheduler.running), "num_waiting": len(self.core.scheduler.waiting),
             "healthy": self.healthy, "collective": self.group.collective, "dispatch": self.group_config.dispatch,
+            "step_transport": self.group.step_transport,
             **(self.core.speculator.stats.as_dict() if self.core.speculator else {"speculative_tokens": 0}),
             "weights_version": self.weights_version, "worker_restarts": self.worker_restarts,
             "recovering": self.recovering, "admission_paused": not self.core.scheduler.admit_new,

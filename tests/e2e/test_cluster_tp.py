@@ -46,6 +46,7 @@ def test_tensor_parallel_matches_single_process(ray_cluster, replicas, smollm2_f
     try:
         info = ray_cluster.get(handle.model_info.remote())
         assert info["tensor_parallel_size"] == tp and info["collective"] == ("none" if tp == 1 else "shm")
+        assert info["step_transport"] == ("compiled-graph" if dispatch == "compiled" else "unix-socket")
         for prompt, expected in zip(ids, ref_logits):
             logits = ray_cluster.get(handle.prompt_logits.remote(prompt))
             diff = (logits - expected).abs().max().item()
@@ -69,6 +70,8 @@ def test_tensor_parallel_packed_weights(ray_cluster, replicas, smollm2_files, sm
     args = EngineArgs(model=str(smollm2_files.path), tensor_parallel_size=3, kv_cache_gib=0.05)
     handle = replicas.launch(args, GroupConfig(cpus_per_worker=1))
     try:
+        # steps reach the three ranks over Unix sockets (one node), not as Ray calls
+        assert ray_cluster.get(handle.model_info.remote())["step_transport"] == "unix-socket"
         for prompt in ids:
             expected = smollm2_llm_packed.core.prompt_logits(prompt)
             logits = ray_cluster.get(handle.prompt_logits.remote(prompt))

@@ -1,0 +1,89 @@
+"""The per-step Unix-socket channel (``workers/step_channel.py``) between a coordinator and its
+ranks, with real sockets and threads: answers in order, a rank's exception and a rank's death
+reach the coordinator, pipelined plans and results larger than the socket buffers do not deadlock."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from shardserve.workers.step_channel import ChannelClosed, StepClient, StepServer
+
+
+def _pair(*executes):
+    servers = [StepServer(fn) for fn in executes]
+    paths = [server.path for server in servers]
+    return servers, StepClient(paths), paths
+
+
+def test_answers_come_back_in_order_from_every_rank_and_the_socket_path_is_gone():
+    servers, client, paths = _pair(lambda plan: ("rank0", plan), lambda plan: None)
+    try:
+        for plan in range(3):   # sent ahead, as async scheduling does
+            client.send({"step": plan})
+        assert [client.recv() for _ in range(3)] == [[("rank0", {"step": i}), None] for i in range(3)]
+        assert not any(os.path.exists(path) or os.path.exists(os.path.dirname(path)) for path in paths)
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
+
+
+def test_a_rank_exception_is_raised_by_the_coordinator_and_the_channel_goes_on():
+    def failing(plan):
+        if plan == "bad":
+            raise ValueError("rank says no")
+        return plan
+
+    servers, client, _ = _pair(lambda plan: plan, failing)
+    try:
+        client.send("bad")
+        with pytest.raises(ValueError, match="rank says no"):
+            client.recv()
+        client.send("good")
+        assert client.recv() == ["good", "good"]
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
+
+
+def test_a_dead_rank_fails_the_read_at_once_even_while_another_rank_waits_for_it():
+    release, inside = threading.Event(), threading.Event()
+
+    def dying(plan):
+        inside.set()
+        return release.wait(30)
+
+    # rank 0 "stuck in a collective" with rank 1, which dies inside the step
+    servers, client, _ = _pair(lambda plan: release.wait(30), dying)
+    try:
+        client.send("step")
+        assert inside.wait(10)
+        servers[1].close()
+        with pytest.raises(ChannelClosed):
+            client.recv()
+    finally:
+        release.set()
+        client.close()
+        servers[0].close()
+
+
+def test_async_reads_and_large_pipelined_plans_and_results_do_not_deadlock():
+    big = b"x" * (4 << 20)   # beyond any Unix socket buffer
+    servers, client, _ = _pair(lambda plan: (len(plan), big), lambda plan: len(plan))
+
+    async def run():
+        for _ in range(3):
+            client.send(big)   # none of the results read yet
+        return [await client.recv_async() for _ in range(3)]
+
+    try:
+        assert asyncio.run(run()) == [[(len(big), big), len(big)]] * 3
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
