@@ -499,8 +499,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4, help="shared-prefix: questions per system prompt")
     parser.add_argument("--prefix-words", type=int, default=300, help="shared-prefix: words per system prompt")
     parser.add_argument("--shardserve-args", default="", help="extra flags for `shardserve serve` (quoted)")
-    parser.add_argument("--dispatch", default="calls,compiled",
-                        help="`--dispatch` of TP=1 and of TP=2 (each one's faster on a 2-core machine at 1 client)")
+    parser.add_argument("--dispatch", default="calls,calls",
+                        help="`--dispatch` of TP=1 and of TP=2 (calls: the faster at both on a 2-core machine at 1 client)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="shardserve KV cache per rank")
     parser.add_argument("--compile", default="auto", choices=["off", "auto", "on"],
                         help="`shardserve serve --compile` (auto: the compiled forward on CPU ranks)")

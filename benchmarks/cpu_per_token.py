@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
     parser.add_argument("--shardserve-args", default="", help="extra `shardserve serve` flags")
-    parser.add_argument("--dispatch", default="calls,compiled", help="`--dispatch` of TP=1 and of TP=2")
+    parser.add_argument("--dispatch", default="calls,calls", help="`--dispatch` of TP=1 and of TP=2")
     parser.add_argument("--log-dir", default="/tmp")
     args = parser.parse_args()
     from llama_server import llama_server_path

@@ -124,7 +124,7 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-collective", choices=["shm", "gloo"], default=None,
                         help="CPU all-reduce backend (default: shm on one node, gloo across nodes)")
     parser.add_argument("--dispatch", choices=["calls", "compiled"], default="calls",
-                        help="per-step dispatch to the shard workers: actor calls or a Ray Compiled Graph")
+                        help="per-step dispatch to the shard workers: direct (Unix sockets on one node, else Ray actor calls) or a Ray Compiled Graph")
     parser.add_argument("--recovery-timeout", type=finite_float, default=300.0,
                         help="seconds to repair a dead shard or draft worker in place (new actors in the same "
                              "bundles) before the replica gives up and Ray Serve replaces it; 0 = no in-place repair")
