@@ -57,6 +57,7 @@ class StepServer:
         self._listener.bind(self.path)
         self._listener.listen(1)
         self._conn: socket.socket | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="shardserve-step-channel", daemon=True)
         self._thread.start()
 
@@ -74,7 +75,7 @@ class StepServer:
         plans: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._read, args=(conn, plans), name="shardserve-step-reader", daemon=True).start()
         with conn:
-            while (plan := plans.get()) is not _CLOSED:
+            while (plan := plans.get()) is not _CLOSED and not self._closed:   # closed: queued plans are stale
                 try:
                     answer = (True, self._execute(plan))
                 except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
@@ -97,7 +98,9 @@ class StepServer:
             plans.put(_CLOSED)
 
     def close(self) -> None:
-        """Stop listening and drop the connection (the coordinator's reads then fail)."""
+        """Stop listening and drop the connection (the coordinator's reads then fail); plans
+        already read but not started are dropped."""
+        self._closed = True
         for sock in (self._listener, self._conn):
             if sock is not None:
                 try:

@@ -171,7 +171,11 @@ class WorkerGroup:
         if config.dispatch == "compiled":
             self._compile()
         else:
-            self._open_channel()
+            try:
+                self._open_channel()
+            except Exception as exc:
+                self.shutdown()
+                raise WorkerDiedError(f"shard workers failed to open their step channels: {exc}") from exc
 
     def _open_channel(self) -> None:
         """Steps over Unix sockets to ranks on this node (``--dispatch calls``): ~25 us a step
