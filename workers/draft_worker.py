@@ -40,6 +40,7 @@ from shardserve.workers.models.mtp import build_mtp_model
 from shardserve.workers.rejection_sampler import draft_sample
 from shardserve.workers.sampler import is_greedy
 from shardserve.workers.step_inputs import DeviceStager, HostBatch, device_batch
+from shardserve.workers.step_channel import StepHost
 from shardserve.workers.torch_thread import on_torch_thread
 from shardserve.workers.weight_reload import ReloadableRank, open_recorded
 
@@ -65,7 +66,7 @@ def draft_inputs(start_pos: list[int], num_tokens: list[int], input_ids: list[in
     return ids, meta
 
 
-class DraftWorker(ReloadableRank):
+class DraftWorker(StepHost, ReloadableRank):
     """Owns the MTP module, its caches and the buffers shared with rank 0; proposes draft tokens
     (recovery and weight-reload calls come from :class:`ReloadableRank`).
 
@@ -74,6 +75,8 @@ class DraftWorker(ReloadableRank):
         inline: run every call on the caller's thread (the single-process engine, whose thread does
             all torch work; see ``workers/torch_thread.py``).
     """
+
+    step_method = "propose"
 
     def __init__(self, num_threads: int | None = None, inline: bool = False) -> None:
         if num_threads:
@@ -236,5 +239,6 @@ class DraftWorker(ReloadableRank):
         return self
 
     def shutdown(self) -> None:
-        """Remove the shared buffers' name if rank 0 never attached them."""
+        """Close the step channel; remove the shared buffers' name if rank 0 never attached them."""
+        self.close_step_channel()
         self.release_buffer_name()

@@ -6,13 +6,14 @@ development machine (``submit_actor_task``, the core worker's IO threads, the ta
 a step that computes for ~6 ms on SmolLM2 at batch 1; on few cores that CPU comes straight out of
 the rank's OpenMP threads. A length-prefixed pickle over a Unix socket round-trips in ~25 us.
 
-The rank (:class:`StepServer`) listens on a socket in a fresh private directory (mode 0700: only
+The rank (:class:`StepServer`, opened by :meth:`StepHost.open_step_channel`) listens on a socket in a fresh private directory (mode 0700: only
 this user can connect), accepts exactly one connection and removes the path at once, then runs
 ``execute(plan)`` for every message in arrival order and answers each with ``(ok, result or
 exception)``. Every other call (load, caches, reload, repair) stays a Ray call. The coordinator
 (:class:`StepClient`) sends one pickled plan to every rank (serialized once) and reads the answers
 in order, blocking or on its event loop. A rank that dies closes its socket: the read fails at
-once (:class:`ChannelClosed`), as a Ray call to a dead actor does.
+once (:class:`ChannelClosed`), as a Ray call to a dead actor does. The MTP draft worker serves its
+drafting passes the same way (``propose``).
 """
 
 from __future__ import annotations
@@ -250,3 +251,45 @@ def _unwrap(answer: tuple):
     if not ok:
         raise value
     return value
+
+
+class StepHost:
+    """Mixin of a Ray actor whose per-step method (:attr:`step_method`) can also be served over a
+    step channel: the shard worker (``execute``) and the MTP draft worker (``propose``)."""
+
+    step_method = "execute"
+
+    def open_step_channel(self, node_id: str) -> str | None:
+        """Serve :attr:`step_method` over a Unix socket to a caller on Ray node ``node_id``;
+        returns the socket's path, or None when this actor runs on another node (the caller keeps
+        Ray calls). A second call replaces the first channel."""
+        import ray
+
+        self.close_step_channel()
+        if ray.get_runtime_context().get_node_id() != node_id:
+            return None
+        self.step_server = StepServer(getattr(self, self.step_method))
+        return self.step_server.path
+
+    def close_step_channel(self) -> None:
+        server, self.step_server = getattr(self, "step_server", None), None
+        if server is not None:
+            server.close()
+
+
+def connect(actors: list, timeout_s: float | None = None) -> StepClient | None:
+    """A :class:`StepClient` to every actor in ``actors`` (:class:`StepHost` Ray actors) when all
+    run on this process's node, else None (each closes what it opened).
+
+    Raises:
+        ray.exceptions.RayError: an actor died or did not answer within ``timeout_s``.
+        OSError: a socket could not be reached.
+    """
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    paths = ray.get([actor.open_step_channel.remote(node_id) for actor in actors], timeout=timeout_s)
+    if all(paths):
+        return StepClient(paths)
+    ray.get([actor.close_step_channel.remote() for actor in actors], timeout=timeout_s)
+    return None

@@ -16,13 +16,14 @@ from shardserve.workers.distributed import TensorParallelGroup, attention_group_
 from shardserve.workers.messages import DataParallelPlan, StepPlan, StepResult
 from shardserve.workers.model_runner import ModelRunner, RunnerConfig
 from shardserve.workers.model_source import ModelFiles
+from shardserve.workers.step_channel import StepHost
 from shardserve.workers.torch_thread import on_torch_thread
 from shardserve.workers.weight_reload import ReloadableRank
 
 logger = logging.getLogger(__name__)
 
 
-class ShardWorker(ReloadableRank):
+class ShardWorker(StepHost, ReloadableRank):
     """One TP rank (recovery and weight-reload calls come from :class:`ReloadableRank`).
 
     Args:
@@ -44,25 +45,6 @@ class ShardWorker(ReloadableRank):
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-    def open_step_channel(self, node_id: str) -> str | None:
-        """Serve steps over a Unix socket (``workers/step_channel.py``) to a coordinator on node
-        ``node_id``; returns the socket's path, or None when this rank runs on another node (the
-        coordinator keeps sending steps as Ray calls). A second call replaces the first channel."""
-        import ray
-
-        from shardserve.workers.step_channel import StepServer
-
-        self.close_step_channel()
-        if ray.get_runtime_context().get_node_id() != node_id:
-            return None
-        self.step_server = StepServer(self.execute)
-        return self.step_server.path
-
-    def close_step_channel(self) -> None:
-        server, self.step_server = getattr(self, "step_server", None), None
-        if server is not None:
-            server.close()
 
     def free_port(self) -> int:
         with socket.socket() as sock:

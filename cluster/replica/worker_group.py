@@ -35,6 +35,7 @@ from shardserve.workers.messages import (DataParallelPlan, DataParallelResult, D
 from shardserve.workers.model_runner import RunnerConfig
 from shardserve.workers.model_source import ModelFiles
 from shardserve.workers.partition import split_units
+from shardserve.workers.step_channel import connect
 from shardserve.workers.worker import ShardWorker
 
 logger = logging.getLogger(__name__)
@@ -180,15 +181,8 @@ class WorkerGroup:
     def _open_channel(self) -> None:
         """Steps over Unix sockets to ranks on this node (``--dispatch calls``): ~25 us a step
         instead of a Ray call's ~600 us of CPU. Ray calls stay where any rank is on another node."""
-        from shardserve.workers.step_channel import StepClient
-
         self._close_channel()
-        node_id = ray.get_runtime_context().get_node_id()
-        paths = ray.get([w.open_step_channel.remote(node_id) for w in self.workers])
-        if all(paths):
-            self._channel = StepClient(paths)
-        else:
-            ray.get([w.close_step_channel.remote() for w in self.workers])
+        self._channel = connect(self.workers)
 
     def _close_channel(self) -> None:
         if self._channel is not None:
@@ -551,6 +545,7 @@ class RemoteDrafter:
             "runtime_env": {"env_vars": dict(DRAFT_ENV)}}   # merged with the replica's own env_vars
         self._threads = max(1, int(config.cpus_per_worker))
         self.actor = None
+        self._channel = None   # StepClient: drafting passes over a Unix socket (workers/step_channel.py)
         self._ping, self._next_ping = None, 0.0   # an outstanding status call (check_alive)
         try:
             self._start(None)
@@ -566,6 +561,8 @@ class RemoteDrafter:
                                                            spec.dtype, spec.seed, spec.device), timeout=timeout_s)
         if self.num_blocks:
             self.allocate_caches(self.num_blocks, timeout_s)
+        self._close_channel()
+        self._channel = connect([self.actor], timeout_s)
 
     def allocate_caches(self, num_blocks: int, timeout_s: float | None = None) -> None:
         """The draft's caches, ``num_blocks`` blocks (the group's count)."""
@@ -586,9 +583,17 @@ class RemoteDrafter:
             WorkerDiedError: the actor died or raised.
         """
         try:
+            if self._channel is not None:
+                self._channel.send(batch)
+                return self._channel.recv()[0]
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
             raise WorkerDiedError(f"draft worker failed: {root_cause(exc)}") from exc
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def check_alive(self) -> None:
         """Between steps: raise if the actor died, without waiting. Every ``DRAFT_PING_S`` it reads
@@ -627,9 +632,11 @@ class RemoteDrafter:
             TimeoutError: the new actor was not placed and loaded within ``timeout_s`` (stopped).
             WorkerDiedError: the actor failed.
         """
+        self._close_channel()   # drafting passes it had read and not started are stale
         try:
             if not dead:
                 ray.get(self.actor.reset_state.remote(), timeout=timeout_s)
+                self._channel = connect([self.actor], timeout_s)
                 return False
             ray.kill(self.actor, no_restart=True)
             self._start(timeout_s)
@@ -661,6 +668,7 @@ class RemoteDrafter:
 
     def shutdown(self) -> None:
         """Stop the actor (after it removed its buffers' name, if it still answers). Idempotent."""
+        self._close_channel()
         if self.actor is not None:
             ray.wait([self.actor.shutdown.remote()], timeout=5)
             ray.kill(self.actor, no_restart=True)
