@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
-import queue
 import select
 import shutil
 import socket
@@ -31,7 +30,6 @@ import threading
 from collections.abc import Callable
 
 _HEADER = struct.Struct("<Q")   # payload bytes
-_CLOSED = object()
 
 
 class ChannelClosed(ConnectionError):
@@ -43,15 +41,17 @@ def _frame(payload: bytes) -> bytes:
 
 
 class StepServer:
-    """A rank's end: ``execute`` runs every plan that arrives, in order, on a thread of its own
-    (``execute`` hops to the rank's torch thread itself).
+    """A rank's end: every plan that arrives runs as ``execute(plan)`` through ``submit``, in
+    arrival order, and the thread that ran it sends the answer back.
 
     Args:
         execute: ``plan -> result`` (the rank's ``ShardWorker.execute``).
+        submit: ``submit(fn, *args)`` runs ``fn(*args)`` later on one thread, first in first out: the
+            rank's torch thread (``workers/torch_thread.py``), so a step costs one thread hand-off.
     """
 
-    def __init__(self, execute: Callable) -> None:
-        self._execute = execute
+    def __init__(self, execute: Callable, submit: Callable) -> None:
+        self._execute, self._submit = execute, submit
         self._dir = tempfile.mkdtemp(prefix="shardserve-step-")   # mode 0700
         self.path = os.path.join(self._dir, "rank.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -59,10 +59,12 @@ class StepServer:
         self._listener.listen(1)
         self._conn: socket.socket | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="shardserve-step-channel", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._serve, name="shardserve-step-channel", daemon=True).start()
 
     def _serve(self) -> None:
+        """Accept the coordinator, then read plans and hand each to ``submit`` until the channel
+        closes. NOTE: reading never waits for a step, so a plan never waits behind a result the
+        coordinator has not read yet (both sides blocked on full socket buffers: a deadlock)."""
         try:
             conn, _ = self._listener.accept()
         except OSError:   # closed before anyone connected
@@ -71,32 +73,27 @@ class StepServer:
             self._listener.close()
             shutil.rmtree(self._dir, ignore_errors=True)
         self._conn = conn
-        # NOTE: plans are read on a thread of their own, so a plan never waits behind a result the
-        # coordinator has not read yet (both sides blocked on full socket buffers: a deadlock).
-        plans: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._read, args=(conn, plans), name="shardserve-step-reader", daemon=True).start()
-        with conn:
-            while (plan := plans.get()) is not _CLOSED and not self._closed:   # closed: queued plans are stale
-                try:
-                    answer = (True, self._execute(plan))
-                except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
-                    answer = (False, exc)
-                try:
-                    payload = pickle.dumps(answer, protocol=5)
-                except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
-                    payload = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")), protocol=5)
-                try:
-                    conn.sendall(_frame(payload))
-                except OSError:
-                    return
-
-    @staticmethod
-    def _read(conn: socket.socket, plans: queue.SimpleQueue) -> None:
         try:
-            while True:
-                plans.put(pickle.loads(_recv_exact(conn, _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0])))
+            while not self._closed:
+                self._submit(self._answer, pickle.loads(_recv_exact(conn, _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0])))
         except Exception:  # noqa: BLE001 - closed, reset or garbled: no more plans
-            plans.put(_CLOSED)
+            self._closed = True
+
+    def _answer(self, plan) -> None:
+        if self._closed:   # plans read before the channel closed are stale
+            return
+        try:
+            answer = (True, self._execute(plan))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
+            answer = (False, exc)
+        try:
+            payload = pickle.dumps(answer, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
+            payload = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")), protocol=5)
+        try:
+            self._conn.sendall(_frame(payload))
+        except OSError:
+            self._closed = True
 
     def close(self) -> None:
         """Stop listening and drop the connection (the coordinator's reads then fail); plans
@@ -265,10 +262,12 @@ class StepHost:
         Ray calls). A second call replaces the first channel."""
         import ray
 
+        from shardserve.workers.torch_thread import torch_thread_submit
+
         self.close_step_channel()
         if ray.get_runtime_context().get_node_id() != node_id:
             return None
-        self.step_server = StepServer(getattr(self, self.step_method))
+        self.step_server = StepServer(getattr(self, self.step_method), torch_thread_submit)
         return self.step_server.path
 
     def close_step_channel(self) -> None:

@@ -42,6 +42,12 @@ def _remember_thread() -> None:
     _thread_id = threading.get_ident()
 
 
+def torch_thread_submit(fn, *args) -> None:
+    """Run ``fn(*args)`` on the torch thread later, after everything submitted before (calls
+    there run first in first out); its result and exceptions are dropped (``fn`` reports them)."""
+    _torch_executor().submit(fn, *args)
+
+
 def on_torch_thread(method):
     """Run ``method`` on the process's torch thread and return its result (its exceptions are
     raised in the caller). A call made from the torch thread itself, or on an object with

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,7 +15,8 @@ from shardserve.workers.step_channel import ChannelClosed, StepClient, StepServe
 
 
 def _pair(*executes):
-    servers = [StepServer(fn) for fn in executes]
+    # each "rank" runs its plans on one thread of its own, as a rank's torch thread does
+    servers = [StepServer(fn, ThreadPoolExecutor(max_workers=1).submit) for fn in executes]
     paths = [server.path for server in servers]
     return servers, StepClient(paths), paths
 
