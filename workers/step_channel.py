@@ -19,6 +19,7 @@ drafting passes the same way (``propose``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 import select
@@ -29,6 +30,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
+logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")   # payload bytes
 
 
@@ -267,7 +269,11 @@ class StepHost:
         self.close_step_channel()
         if ray.get_runtime_context().get_node_id() != node_id:
             return None
-        self.step_server = StepServer(getattr(self, self.step_method), torch_thread_submit)
+        try:
+            self.step_server = StepServer(getattr(self, self.step_method), torch_thread_submit)
+        except OSError as exc:   # e.g. no writable temp dir, or its path too long for a Unix socket
+            logger.warning("no step channel (%s): steps come as Ray calls", exc)
+            return None
         return self.step_server.path
 
     def close_step_channel(self) -> None:
@@ -278,17 +284,20 @@ class StepHost:
 
 def connect(actors: list, timeout_s: float | None = None) -> StepClient | None:
     """A :class:`StepClient` to every actor in ``actors`` (:class:`StepHost` Ray actors) when all
-    run on this process's node, else None (each closes what it opened).
+    run on this process's node and their sockets open, else None (each closes what it opened; the
+    caller keeps Ray calls).
 
     Raises:
         ray.exceptions.RayError: an actor died or did not answer within ``timeout_s``.
-        OSError: a socket could not be reached.
     """
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
     paths = ray.get([actor.open_step_channel.remote(node_id) for actor in actors], timeout=timeout_s)
     if all(paths):
-        return StepClient(paths)
+        try:
+            return StepClient(paths)
+        except OSError as exc:
+            logger.warning("no step channel (%s): steps go as Ray calls", exc)
     ray.get([actor.close_step_channel.remote() for actor in actors], timeout=timeout_s)
     return None
