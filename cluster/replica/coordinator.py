@@ -308,9 +308,18 @@ class Coordinator:
     async def _recover(self, cause: str) -> bool:
         """Repair the workers in place (``cluster/replica/recovery.py``); True when healthy again."""
         self.recovering = True
+        deadline = time.monotonic() + self.args.recovery_timeout
         try:
-            report = await asyncio.to_thread(repair_replica, self.group, self.drafter, self.args.recovery_timeout)
-        except Exception as exc:  # noqa: BLE001 - any failure: give up, Serve's health check takes over
+            while True:
+                try:
+                    report = await asyncio.to_thread(repair_replica, self.group, self.drafter,
+                                                     max(0.1, deadline - time.monotonic()))
+                    break
+                except WorkerDiedError as exc:   # a worker died during the repair: repair again, in time
+                    if time.monotonic() >= deadline:
+                        raise
+                    logger.warning("a worker failed during the repair (%s); repairing again", exc)
+        except Exception as exc:  # noqa: BLE001 - any other failure: give up, Serve's health check takes over
             logger.error("in-place recovery failed (%s: %s); the replica reports itself failed",
                          type(exc).__name__, exc)
             self.failed = f"in-place recovery failed: {type(exc).__name__}: {exc} (after: {cause})"
@@ -321,7 +330,10 @@ class Coordinator:
         self.cache_events.flush()
         self.worker_restarts += report.restarted
         self.weights_version += report.files_changed
-        self.worker_status = []
+        try:   # ModelInfo lists the new workers at once
+            self.worker_status = await asyncio.to_thread(probe_workers, self.group, self.drafter)
+        except WorkerDiedError:
+            self.worker_status = []   # the idle check fails the replica again
         self.healthy, self.error = True, None
         if self._grpc is not None:
             self._grpc.set_serving(True)

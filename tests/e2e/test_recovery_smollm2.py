@@ -104,6 +104,39 @@ def test_shard_worker_killed_during_four_streams_is_replaced_in_place(server):
     assert re.search(r'^shardserve_worker_restarts_total\{replica="\w+"\} 1\.0$', server.metrics(), re.M)
 
 
+def _shard_worker_pids() -> set[int]:
+    pids = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith("ray::ShardWorker"):
+            pids.add(proc.pid)
+    return pids
+
+
+def test_a_replacement_killed_while_it_starts_is_replaced_again_in_place(server):
+    """A second death during the repair (the new rank killed as soon as its process appears) is
+    repaired again within --recovery-timeout; the replica itself is never replaced (it was, before:
+    one failed repair gave up at once and Serve restarted the whole replica, /health red for 19 s)."""
+    before = greedy_chat(server)
+    wait_for("every worker reported", lambda: len(server.workers()) == 3, 30)
+    workers = server.workers()
+    coordinator, rank1 = workers["coordinator", 0], workers["shard", 1]
+    restarts = server.model_info().worker_restarts
+    known = _shard_worker_pids()
+    os.kill(rank1.pid, signal.SIGKILL)
+    wait_for("/health red", lambda: server.health() == 503, 10, period_s=0.05)
+    replacement = wait_for("the replacement rank's process", lambda: _shard_worker_pids() - known, 30, period_s=0.02)
+    for pid in replacement:
+        os.kill(pid, signal.SIGKILL)
+    wait_for("/health green", lambda: server.health() == 200, 60, period_s=0.1)
+    assert greedy_chat(server) == before
+    info = server.model_info()
+    assert info.healthy and info.worker_restarts > restarts
+    now = wait_for("the new rank reported", lambda: server.replaced("shard", 1, rank1.pid), 30)
+    assert now["coordinator", 0].pid == coordinator.pid   # the same replica process
+    assert now["shard", 1].pid not in replacement
+
+
 def test_sigterm_to_the_whole_process_group_shuts_down_without_waiting_on_dead_ray(server):
     """systemd and container runtimes signal every process: the local Ray cluster stops with the
     CLI, and the CLI must not wait out Serve's 30 s controller timeout (it took 37 s). Runs last:
