@@ -6,12 +6,13 @@ development machine (``submit_actor_task``, the core worker's IO threads, the ta
 a step that computes for ~6 ms on SmolLM2 at batch 1; on few cores that CPU comes straight out of
 the rank's OpenMP threads. A length-prefixed pickle over a Unix socket round-trips in ~25 us.
 
-The rank (:class:`StepServer`, opened by :meth:`StepHost.open_step_channel`) listens on a socket in a fresh private directory (mode 0700: only
-this user can connect), accepts exactly one connection and removes the path at once, then runs
-``execute(plan)`` for every message in arrival order and answers each with ``(ok, result or
-exception)``. Every other call (load, caches, reload, repair) stays a Ray call. The coordinator
-(:class:`StepClient`) sends one pickled plan to every rank (serialized once) and reads the answers
-in order, blocking or on its event loop. A rank that dies closes its socket: the read fails at
+The rank (:class:`StepServer`, opened by :meth:`StepHost.open_step_channel`) listens on a socket
+in a fresh private directory (mode 0700: only this user can connect), accepts exactly one
+connection and removes the path at once, then runs ``execute(plan)`` on its torch thread for every
+message in arrival order and answers each with ``(ok, result or exception)``. Every other call
+(load, caches, reload, repair) stays a Ray call. The coordinator (:class:`StepClient`) sends one
+pickled plan to every rank (serialized once) and reads the answers in order, blocking or on its
+event loop. A rank that dies closes its socket: the read fails at
 once (:class:`ChannelClosed`), as a Ray call to a dead actor does. The MTP draft worker serves its
 drafting passes the same way (``propose``).
 """
@@ -77,7 +78,8 @@ class StepServer:
         self._conn = conn
         try:
             while not self._closed:
-                self._submit(self._answer, pickle.loads(_recv_exact(conn, _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0])))
+                size = _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0]
+                self._submit(self._answer, pickle.loads(_recv_exact(conn, size)))
         except Exception:  # noqa: BLE001 - closed, reset or garbled: no more plans
             self._closed = True
 
@@ -170,16 +172,10 @@ class StepClient:
         rank it comes from (the others may be stuck in a collective with the failed one)."""
         answers: list = [None] * len(self._socks)
         pending = set(range(len(self._socks)))
-        while pending:
-            for rank in list(pending):
-                answer = self._take(rank)
-                if answer is not None:
-                    answers[rank] = _unwrap(answer)
-                    pending.discard(rank)
-            if pending:
-                ready, _, _ = select.select([self._socks[rank] for rank in pending], [], [])
-                for sock in ready:
-                    self._fill(self._socks.index(sock))
+        while self._take_buffered(answers, pending):
+            ready, _, _ = select.select([self._socks[rank] for rank in pending], [], [])
+            for sock in ready:
+                self._fill(self._socks.index(sock))
         return answers
 
     async def recv_async(self) -> list:
@@ -187,24 +183,28 @@ class StepClient:
         loop = asyncio.get_running_loop()
         answers: list = [None] * len(self._socks)
         pending = set(range(len(self._socks)))
-        while pending:
-            for rank in list(pending):
-                answer = self._take(rank)
-                if answer is not None:
-                    answers[rank] = _unwrap(answer)
-                    pending.discard(rank)
-            if pending:
-                ready = loop.create_future()
-                socks = [self._socks[rank] for rank in pending]
-                for sock in socks:
-                    loop.add_reader(sock, lambda s=sock: ready.done() or ready.set_result(s))
-                try:
-                    sock = await ready
-                finally:
-                    for s in socks:
-                        loop.remove_reader(s)
-                self._fill(self._socks.index(sock))
+        while self._take_buffered(answers, pending):
+            ready = loop.create_future()
+            socks = [self._socks[rank] for rank in pending]
+            for sock in socks:
+                loop.add_reader(sock, lambda s=sock: ready.done() or ready.set_result(s))
+            try:
+                sock = await ready
+            finally:
+                for s in socks:
+                    loop.remove_reader(s)
+            self._fill(self._socks.index(sock))
         return answers
+
+    def _take_buffered(self, answers: list, pending: set[int]) -> bool:
+        """Move the whole answers buffered from ``pending`` ranks into ``answers`` (raising a
+        rank's failure); True while some rank's answer is still missing."""
+        for rank in list(pending):
+            answer = self._take(rank)
+            if answer is not None:
+                answers[rank] = _unwrap(answer)
+                pending.discard(rank)
+        return bool(pending)
 
     def _fill(self, rank: int) -> None:
         try:
