@@ -20,6 +20,7 @@ drafting passes the same way (``propose``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -82,6 +83,8 @@ class StepServer:
                 self._submit(self._answer, pickle.loads(_recv_exact(conn, size)))
         except Exception:  # noqa: BLE001 - closed, reset or garbled: no more plans
             self._closed = True
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)   # a coordinator still waiting sees the end at once
 
     def _answer(self, plan) -> None:
         if self._closed:   # plans read before the channel closed are stale
@@ -152,6 +155,7 @@ class StepClient:
         for sock in self._socks:
             sock.setblocking(False)
         self._buffers = [bytearray() for _ in self._socks]
+        self._stale = [0] * len(self._socks)   # answers each rank owes to plans whose step already failed
 
     def send(self, plan) -> None:
         """Send ``plan`` to every rank (pickled once).
@@ -197,13 +201,21 @@ class StepClient:
         return answers
 
     def _take_buffered(self, answers: list, pending: set[int]) -> bool:
-        """Move the whole answers buffered from ``pending`` ranks into ``answers`` (raising a
-        rank's failure); True while some rank's answer is still missing."""
+        """Move the whole answers buffered from ``pending`` ranks into ``answers``; True while some
+        rank's answer is still missing. A rank's failure is raised at once; the answers the other
+        pending ranks still owe to that plan are dropped when they come (not read as the next
+        plan's)."""
         for rank in list(pending):
             answer = self._take(rank)
-            if answer is not None:
-                answers[rank] = _unwrap(answer)
-                pending.discard(rank)
+            if answer is None:
+                continue
+            pending.discard(rank)
+            ok, value = answer
+            if not ok:
+                for other in pending:
+                    self._stale[other] += 1
+                raise value
+            answers[rank] = value
         return bool(pending)
 
     def _fill(self, rank: int) -> None:
@@ -218,16 +230,18 @@ class StepClient:
         self._buffers[rank] += chunk
 
     def _take(self, rank: int):
-        """The next whole answer buffered from ``rank``, or None."""
+        """The next whole answer buffered from ``rank`` (stale ones dropped), or None."""
         buf = self._buffers[rank]
-        if len(buf) < _HEADER.size:
-            return None
-        size = _HEADER.unpack_from(buf)[0]
-        if len(buf) < _HEADER.size + size:
-            return None
-        payload = bytes(buf[_HEADER.size:_HEADER.size + size])
-        del buf[:_HEADER.size + size]
-        return pickle.loads(payload)
+        while len(buf) >= _HEADER.size:
+            size = _HEADER.unpack_from(buf)[0]
+            if len(buf) < _HEADER.size + size:
+                return None
+            payload = bytes(buf[_HEADER.size:_HEADER.size + size])
+            del buf[:_HEADER.size + size]
+            if not self._stale[rank]:
+                return pickle.loads(payload)
+            self._stale[rank] -= 1
+        return None
 
     def close(self) -> None:
         for sock in self._socks:
@@ -243,13 +257,6 @@ def _send_all(sock: socket.socket, data: bytes) -> None:
             view = view[sock.send(view):]
         except BlockingIOError:
             select.select([], [sock], [])
-
-
-def _unwrap(answer: tuple):
-    ok, value = answer
-    if not ok:
-        raise value
-    return value
 
 
 class StepHost:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,12 +36,18 @@ def test_answers_come_back_in_order_from_every_rank_and_the_socket_path_is_gone(
 
 
 def test_a_rank_exception_is_raised_by_the_coordinator_and_the_channel_goes_on():
+    """The other ranks' late answers to the failed plan are not read as the next plan's."""
     def failing(plan):
         if plan == "bad":
             raise ValueError("rank says no")
         return plan
 
-    servers, client, _ = _pair(lambda plan: plan, failing)
+    def slow_on_bad(plan):   # rank 0 answers the failed plan after rank 1's failure is raised
+        if plan == "bad":
+            time.sleep(0.3)
+        return plan
+
+    servers, client, _ = _pair(slow_on_bad, failing)
     try:
         client.send("bad")
         with pytest.raises(ValueError, match="rank says no"):
