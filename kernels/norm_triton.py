@@ -14,7 +14,7 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     D, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SCALE_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per row of length D.
     row = tl.program_id(0)
@@ -28,13 +28,15 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, 0) / D + eps)
-    normed = (h * inv_rms).to(x.dtype).to(tl.float32)  # HF casts back before the weight multiply
+    normed = h * inv_rms
+    if not SCALE_IN_FP32:
+        normed = normed.to(x.dtype).to(tl.float32)  # LlamaRMSNorm casts back before the weight multiply
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, w * normed, mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    scale_in_fp32: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton RMSNorm, same contract as :func:`kernels.norm.rms_norm_ref`.
 
     Args:
@@ -42,9 +44,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight: ``[hidden]``.
         eps: variance epsilon.
         residual: optional ``[..., hidden]`` of ``x``'s dtype, added before the norm.
+        scale_in_fp32: the weight multiplies the unrounded float32 rows; ``out`` is ``x.dtype``.
 
     Returns:
-        ``out`` of dtype ``promote(weight, x)``, or ``(out, x + residual)``; inputs are not mutated.
+        ``out`` of dtype ``promote(weight, x)`` (``x.dtype`` with ``scale_in_fp32``), or
+        ``(out, x + residual)``; inputs are not mutated.
     """
     check_launchable(x, weight)
     hidden = x.shape[-1]
@@ -52,7 +56,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x2 = x.reshape(-1, hidden) if x.stride(-1) == 1 else x.contiguous().view(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if scale_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     res_in = res_out = x2  # placeholders, unused without a residual
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, \
@@ -65,6 +70,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             x2, res_in, weight, out, res_out,
             x2.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=min(max(block_d // 256, 1), 16))
+            HAS_RESIDUAL=residual is not None, SCALE_IN_FP32=scale_in_fp32, BLOCK_D=block_d, num_warps=min(max(block_d // 256, 1), 16))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -36,6 +36,7 @@ from shardserve.kernels.fused_moe import PAIRWISE_CHUNK_BYTES, PAIRWISE_MAX_TOKE
 from shardserve.kernels.mla_attention import absorbed_ref_tiles
 from shardserve.kernels.mla_prefill import expanded_chunk_keys, expanded_is_cheaper
 from shardserve.kernels.workspace import WORKSPACE_ELEMENTS, plan_row_chunks
+from shardserve.workers.layers.norm import RMSNorm
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +69,10 @@ def _n(*dims: int) -> int:
 
 
 def dtype_bytes(model) -> int:
-    """Bytes per element of a model's compute dtype (its RMSNorm weights')."""
-    for module in model.modules():   # the first RMSNorm: its weight is in the compute dtype
-        if type(module).__name__ in ("RMSNorm", "OffsetRMSNorm"):
-            return module.weight.dtype.itemsize
+    """Bytes per element of a model's compute dtype (its first RMSNorm's activation dtype)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            return module.act_dtype.itemsize
     return torch.float32.itemsize
 
 

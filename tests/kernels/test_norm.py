@@ -34,6 +34,31 @@ def test_rms_norm_kernel_matches_reference(num_tokens, hidden, dtype, with_resid
         assert actual.dtype == expected.dtype
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_scale_in_fp32_rounds_once(with_residual):
+    """Qwen3-Next's order (``Qwen3NextRMSNorm``): a float32 ``1 + w`` times the float32 normalized
+    rows, one rounding to bf16. The reference is that formula exactly, the kernel within a few bf16
+    ulps of it (Triton's interpreter truncates where a GPU rounds to nearest, in the residual sum
+    too), and the Llama order (rows rounded first) differs from it."""
+    from shardserve.kernels.norm_triton import rms_norm_triton
+
+    x = torch.randn(7, 96, dtype=torch.bfloat16)
+    weight = 1 + 0.02 * torch.randn(96)
+    residual = torch.randn(7, 96, dtype=torch.bfloat16) if with_residual else None
+    summed = (x + residual).float() if with_residual else x.float()
+    exact = (weight * summed * torch.rsqrt(summed.square().mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    def normed(out):
+        return out[0] if with_residual else out
+
+    ref = normed(rms_norm_ref(x, weight, 1e-6, residual, scale_in_fp32=True))
+    assert ref.dtype == torch.bfloat16 and torch.equal(ref, exact)
+    kernel = normed(rms_norm_triton(x, weight, 1e-6, residual, scale_in_fp32=True))
+    assert kernel.dtype == torch.bfloat16
+    assert ((kernel.float() - exact.float()).abs() <= 2 ** -5 * exact.float().abs()).all()
+    assert not torch.equal(normed(rms_norm_ref(x, weight, 1e-6, residual)).to(torch.bfloat16), exact)
+
+
 def test_rms_norm_kernel_strided_rows():
     """A row slice of a wider tensor (MLA's kv_a_layernorm input) is read in place."""
     from shardserve.kernels.norm_triton import rms_norm_triton

@@ -9,7 +9,7 @@ Math follows transformers' ``models/qwen3_next/modeling_qwen3_next.py`` (the par
   gate per head (``[q_h, gate_h]`` rows), per-head RMSNorm on q and k, RoPE on the first
   ``partial_rotary_factor * head_dim`` dims only, and ``o = o_proj(attn * sigmoid(gate))``.
 - Every RMSNorm outside the DeltaNet is zero-centred: ``x_hat * (1 + weight)``; the loader stores
-  ``1 + weight`` so the ordinary fused RMSNorm kernel applies (:class:`OffsetRMSNorm`).
+  ``1 + weight`` in float32 and the fused RMSNorm kernel scales in float32 (:class:`OffsetRMSNorm`).
 - MLP: :class:`Qwen3NextMoE` (softmax router, top-k, optionally renormalized; routed experts;
   a shared expert scaled by ``sigmoid(shared_expert_gate(x))``) on layer ``i`` when ``i`` is not in
   ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; else a dense SwiGLU MLP.
@@ -32,6 +32,7 @@ from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.kernels import rms_norm
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
 from shardserve.workers.models.gated_deltanet import GatedDeltaNet
@@ -40,11 +41,17 @@ from shardserve.workers.partition import split_units
 
 
 class OffsetRMSNorm(RMSNorm):
-    """Qwen3-Next's ``Qwen3NextRMSNorm`` (``x_hat * (1 + w)``): loads ``1 + w`` into a plain RMSNorm."""
+    """Qwen3-Next's ``Qwen3NextRMSNorm``: ``x_hat * (1 + w)`` with the product in float32 and one
+    rounding to the activations' dtype, as transformers does. ``1 + w`` is loaded into a float32
+    weight whatever the model's dtype (in bf16 it would round to steps of 2^-7: three times
+    transformers' own bf16 logit error on a tiny checkpoint, found on an H200)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(hidden_size, eps, dtype)
+        super().__init__(hidden_size, eps, dtype, weight_dtype=torch.float32)
         self.weight.weight_loader = self._load
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual, scale_in_fp32=True)
 
     @staticmethod
     def _load(param: nn.Parameter, tensor: LazyTensor, shard_id: int = 0) -> None:
