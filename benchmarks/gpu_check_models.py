@@ -4,6 +4,7 @@ speculative decoding and the KV budget (see ``benchmarks/gpu_check.py``)."""
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -129,6 +130,49 @@ def _parity_tiny(ctx: Context, report: Report, arch: str) -> None:
     ours16 = relative_error(forced_logits(make_runner(path, device=ctx.device, dtype="bfloat16"), tokens, 16), ours32)
     bound = 1.25 * relative_error(ref16, ref32) + 0.02
     report.check(ours16 <= bound, f"parity bf16: {arch}", f"{ours16:.4f} <= {bound:.4f}")
+    if ours16 > bound and not ctx.dry:
+        _bisect_bf16(ctx, report, arch, path, tokens, ours32)
+
+
+# The modules whose ops dispatch by ``use_triton`` (their module-level name is patched to force the
+# torch reference for that module's ops alone); ``workers.layers.rotary`` reads the package's.
+KERNEL_MODULES = ("norm", "rotary", "activation", "paged_attention", "fused_moe", "gated_delta", "causal_conv1d",
+                  "mla_attention", "mla_prefill", "indexer", "hadamard", "fp8_linear")
+
+
+def _bisect_bf16(ctx: Context, report: Report, arch: str, path, tokens: list[int], ours32: torch.Tensor) -> None:
+    """Where a failed bf16 parity comes from, one info row per variant: the per-position error
+    (prompt rows first, then decode rows), decode graphs off, all torch references on the GPU, and
+    each kernel module's ops alone switched to their torch reference."""
+    import importlib
+
+    import shardserve.kernels as package
+
+    def error(**config) -> torch.Tensor:
+        logits = forced_logits(make_runner(path, device=ctx.device, dtype="bfloat16", **config), tokens, 16)
+        return (logits - ours32).abs().amax(-1) / ours32.abs().amax(-1)
+
+    per_position = error()
+    report.info(f"parity bf16 bisect: {arch} per position", " ".join(f"{e:.3f}" for e in per_position.tolist()))
+    report.info(f"parity bf16 bisect: {arch} decode graphs off", f"{error(decode_graphs='off').max().item():.4f}")
+    before = os.environ.get("SHARDSERVE_KERNELS")
+    os.environ["SHARDSERVE_KERNELS"] = "torch"
+    try:
+        report.info(f"parity bf16 bisect: {arch} all torch references", f"{error().max().item():.4f}")
+    finally:
+        os.environ.pop("SHARDSERVE_KERNELS")
+        if before is not None:
+            os.environ["SHARDSERVE_KERNELS"] = before
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"shardserve.kernels.{name}")
+        patched = [(module, module.use_triton)] + ([(package, package.use_triton)] if name == "rotary" else [])
+        try:
+            for target, _ in patched:
+                target.use_triton = lambda tensor: False
+            report.info(f"parity bf16 bisect: {arch} torch {name} only", f"{error().max().item():.4f}")
+        finally:
+            for target, original in patched:
+                target.use_triton = original
 
 
 def _parity_fp8(ctx: Context, report: Report) -> None:

@@ -5,9 +5,11 @@ Each case is two checks: the kernel == its torch reference (max absolute error w
 tolerance, relative to the reference's largest magnitude), and the kernel captured in a CUDA graph
 and replayed == its eager run (on CPU the stand-in: the launcher runs under
 ``workers/sync_guard.py``'s guard, which fails where a capture would). bf16 cases at serving shapes
-are also timed: Triton and torch times, achieved GB/s (memory-bound ops: minimal bytes read +
-written) or TFLOP/s (GEMM-like ops), and the fraction of the GPU's HBM bandwidth the kernel reaches
-(minimal bytes / time / spec bandwidth): the number that says which kernel to fix first. fp32
+are also timed: the Triton kernel replayed from a CUDA graph with L2 flushed (its GPU time, what a
+captured decode step pays) and launched eagerly (GPU time or launch overhead, whichever is larger),
+the torch reference eagerly; achieved GB/s (memory-bound ops: minimal bytes read + written) or
+TFLOP/s (GEMM-like ops) and the fraction of the GPU's HBM bandwidth the kernel reaches (minimal
+bytes / graph time / spec bandwidth): the number that says which kernel to fix first. fp32
 cases are small and check correctness only. ``--cpu-dry-run``: small shapes under the interpreter.
 """
 
@@ -480,13 +482,50 @@ def check(case: Case, bench: bool, report, hbm: float | None) -> None:
     with report.attempt(f"{label} timed"):
         from triton.testing import do_bench
 
+        g_ms = _graph_ms(case.run_triton)
         t_ms = do_bench(case.run_triton, warmup=10, rep=50)
         r_ms = do_bench(case.run_ref, warmup=3, rep=30)
         scale = 1e-9 if case.unit == "GB/s" else 1e-12
-        hbm_frac = f", {100 * case.min_bytes / (t_ms * 1e-3) / hbm:5.1f}% of HBM" if hbm and case.min_bytes else ""
+        hbm_frac = f", {100 * case.min_bytes / (g_ms * 1e-3) / hbm:5.1f}% of HBM" if hbm and case.min_bytes else ""
         report.info(f"{label} timed",
-                    f"triton {t_ms * 1e3:8.1f} us {case.work * scale / (t_ms * 1e-3):8.1f} {case.unit}{hbm_frac}"
-                    f" | torch {r_ms * 1e3:8.1f} us")
+                    f"triton graph {g_ms * 1e3:8.1f} us {case.work * scale / (g_ms * 1e-3):8.1f} {case.unit}{hbm_frac}"
+                    f" | eager {t_ms * 1e3:8.1f} us | torch eager {r_ms * 1e3:8.1f} us")
+
+
+def _graph_ms(fn: Callable[[], torch.Tensor], calls: int = 10, replays: int = 5) -> float:
+    """Milliseconds of GPU time per call of ``fn`` with the host out of the way, L2 cold: ``calls``
+    x (flush L2, ``fn``) captured in one CUDA graph, minus ``calls`` flushes alone, median of
+    ``replays``. Eager timing (``do_bench``) of a decode-sized call measures its launch overhead
+    (the GPU waits on the host); decode steps replay graphs, so this is the number they pay."""
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")    # > any GPU's L2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    times = []
+    for graph in graphs:
+        graph.replay()
+        samples = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times.append(sorted(samples)[len(samples) // 2])
+    del graphs
+    return max(times[0] - times[1], 1e-6) / calls
 
 
 def run_kernel_checks(report, interpret: bool = False, quick: bool = False, hbm: float | None = None) -> None:
