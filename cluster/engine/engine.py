@@ -141,6 +141,8 @@ class EngineCore:
             params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                           cache_seed=cache_seed)
+        if self.speculator is not None:
+            request.spec = SpecUsage()
         if params.structured_outputs is not None:
             if compiled_grammar is None:
                 compiled_grammar = self.grammar_compiler.compile(params.structured_outputs)

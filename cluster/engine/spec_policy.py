@@ -90,7 +90,8 @@ BRIEF_DRAFTING_MIN = 8       # ... or, on fewer steps (a batch size visited brie
 BRIEF_PLAIN_MIN = 4          # steps and plain steps at least these many, and the ratio below BRIEF_VETO
 BRIEF_VETO = 0.93
 BRIEF_EPISODES = 3           # ... once drafting started there (a warm pass charged) this many times
-COLD_RECHECK = 8             # steps a cold decision of depths() stands (stays_cold) before it is weighed again
+COLD_RECHECK = 8             # steps a cold decision of depths() stands (stays_cold) before it is weighed again,
+MAX_COLD_RECHECK = 64        # ... doubled by each cold decision in a row at the batch size, up to this
 ANY_DEPTH = -1               # the ledger of every drafting step the fits (or a probe) chose, whatever its depth
 
 
@@ -325,6 +326,7 @@ class AdaptivePolicy(FixedPolicy):
         self.probe_next = 0                             # a probe's depth, decided cold, drafted next step
         self.exploring = False                          # depths' last answer explored (a probe, or costs unknown)
         self.cold_skips: dict[int, int] = {}            # bucket -> steps stays_cold answers before depths weighs again
+        self.cold_streak: dict[int, int] = {}           # bucket -> cold decisions of depths in a row there
         self.version = 0                                # bumped whenever an acceptance estimate may change
         self.reach_cache: dict[str, tuple[int, int, list[float]]] = {}   # req -> (version, max depth, reach)
 
@@ -484,7 +486,10 @@ class AdaptivePolicy(FixedPolicy):
         without candidates (the caller then skips :meth:`depths`; a cold step is counted): the
         policy is cold, no probe of this batch size is due, and its realized rates veto drafting at
         every depth, or :meth:`depths` found it cold at this batch size fewer than
-        ``COLD_RECHECK`` steps ago (while cold, nothing it weighs moves but the plain fit). Building
+        ``COLD_RECHECK`` steps ago, twice that after two cold findings in a row there, ... up to
+        ``MAX_COLD_RECHECK`` (while cold, nothing it weighs moves but the plain fit; re-weighing every
+        8th step was still ~0.3 % of the demo model's batch-32 time, a third of what adaptive
+        lost to k = 0 there). Building
         candidates and weighing depths 1..K for 32 requests each step cost ~0.1 ms, 1 % of the demo
         model's batch-32 step, where drafting never pays; and a vetoed, cold batch size no longer
         turns warm (up to ``WARM_IDLE_LIMIT`` draft passes that drafted nothing, 0.7 % of a batch-32
@@ -566,7 +571,8 @@ class AdaptivePolicy(FixedPolicy):
             self.warm_idle += 1
         self.warm = any(best) or (drafting_rate >= WARM_MARGIN * plain_rate and self.warm_idle < WARM_IDLE_LIMIT)
         self.cold_steps[bucket] = 0 if self.warm else self.cold_steps.get(bucket, 0) + 1
-        self.cold_skips[bucket] = 0 if self.warm else COLD_RECHECK
+        streak = self.cold_streak[bucket] = 0 if self.warm else self.cold_streak.get(bucket, 0) + 1
+        self.cold_skips[bucket] = 0 if self.warm else min(COLD_RECHECK << (streak - 1), MAX_COLD_RECHECK)
         if any(best):
             if self._realized_ratio(num_seqs, max(best)) is not None:   # it paid where measured: probe soon
                 self.probe_intervals[bucket] = MIN_PROBE_INTERVAL        # after it stops (not while a veto

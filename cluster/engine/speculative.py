@@ -222,12 +222,16 @@ class Speculator:
         return self.policy.caches_prompts(batch_after)
 
     def record(self, batch: ScheduledBatch, result: StepResult) -> None:
-        """Count accepted drafts (before any stop truncates the run), per request and in total."""
+        """Count accepted drafts (before any stop truncates the run), per request and in total
+        (``request.spec`` is set when the engine admits a request); a step that verified no draft
+        has nothing to count."""
+        if not any(sched.num_spec_tokens for sched in batch.plan.scheduled):
+            return
         emitted = Counter(s.req_id for s in result.sampled)
         for request, sched in zip(batch.requests, batch.plan.scheduled):
-            if request.spec is None:
-                request.spec = SpecUsage()
             if sched.num_spec_tokens:
+                if request.spec is None:
+                    request.spec = SpecUsage()
                 accepted = emitted[sched.req_id] - 1
                 self.stats.add(sched.num_spec_tokens, accepted)
                 self.policy.observe_acceptance(sched.req_id, sched.num_spec_tokens, accepted)

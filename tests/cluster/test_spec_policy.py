@@ -442,3 +442,28 @@ def test_no_prompt_enters_the_draft_cache_where_a_veto_stands_after_a_probe():
     policy._rate = lambda *args, **kwargs: 1e9      # the fits overrate drafting, as at the demo's batch 32
     assert policy.wants_hidden(8, 0, 8) and not policy.wants_hidden(0, 64, batch_after=8)
     assert policy.wants_hidden(0, 64, batch_after=1)                # not vetoed there: the fits decide
+
+
+def test_a_cold_batch_size_is_weighed_less_often_the_longer_it_stays_cold():
+    """Batch 32 where drafting never pays and no veto stands: :meth:`AdaptivePolicy.stays_cold`
+    answers 8, 16, 32, then 64 steps after each cold weighing in a row (re-weighing every 8th step
+    was ~0.3 % of the demo model's batch-32 time), and never longer, so a change in what drafting
+    would return is seen within 65 steps; probes still come."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.0] * 4] * 32).run(policy, 300)
+    assert not policy.warm and not policy._vetoed(32, spec_policy.ANY_DEPTH)
+    policy.cold_streak.clear()                    # as if the policy had just turned cold
+    weighed, probes = [], 0
+    for step in range(400):
+        policy.observe_step(32, 0, 0, 0.0114)
+        if policy.stays_cold(32):
+            continue
+        policy.depths([Candidate(f"r{i}", 3) for i in range(32)])
+        if policy.exploring:
+            probes += 1
+        else:
+            weighed.append(step)
+    gaps = [b - a for a, b in zip(weighed, weighed[1:])]
+    assert probes and len(weighed) <= 400 // 32 + probes
+    assert max(gaps) <= spec_policy.MAX_COLD_RECHECK + 1 + probes
+    assert gaps[:3] == [spec_policy.COLD_RECHECK + 1, spec_policy.COLD_RECHECK * 2 + 1, spec_policy.COLD_RECHECK * 4 + 1]
