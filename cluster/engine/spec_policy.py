@@ -274,7 +274,7 @@ class FixedPolicy:
     def stays_cold(self, num_seqs: int) -> bool:
         return False
 
-    def depths(self, candidates: list[Candidate]) -> list[int]:
+    def depths(self, candidates: list[Candidate], in_flight: int = 0) -> list[int]:
         return [min(self.max_depth, c.max_depth) for c in candidates]
 
     def observe_step(self, num_seqs: int, prompt_tokens: int, num_drafts: int, seconds: float) -> None:
@@ -507,12 +507,19 @@ class AdaptivePolicy(FixedPolicy):
         self.chosen = self.drafting_steps = 0
         return True
 
-    def depths(self, candidates: list[Candidate]) -> list[int]:
+    def depths(self, candidates: list[Candidate], in_flight: int = 0) -> list[int]:
         """Each candidate's drafts for the next step (0: none); updates the warm/cold state. No
-        candidates while cold: a step sent ahead is in flight (async scheduling), one more cold step."""
+        candidates while cold: a step sent ahead (async scheduling) is in flight with ``in_flight``
+        decoding requests, one more cold step at their batch size. (Counted at the bucket of the
+        last decision instead, a served replica that went cold during a burst of 12 streams
+        counted every later batch-1 step at the burst's batch size: batch 1 never came due for a
+        probe, its steps were never weighed again (async scheduling runs while the policy drafts
+        nothing, so no step had candidates) and it drafted nothing for thousands of steps; issue 31.)"""
         self.chosen = 0
         if not candidates:
             if not self.warm:
+                if in_flight:
+                    self.last_bucket = _bucket(in_flight)
                 self.cold_steps[self.last_bucket] = self.cold_steps.get(self.last_bucket, 0) + 1
             return []
         num_seqs = len(candidates)

@@ -467,3 +467,24 @@ def test_a_cold_batch_size_is_weighed_less_often_the_longer_it_stays_cold():
     assert probes and len(weighed) <= 400 // 32 + probes
     assert max(gaps) <= spec_policy.MAX_COLD_RECHECK + 1 + probes
     assert gaps[:3] == [spec_policy.COLD_RECHECK + 1, spec_policy.COLD_RECHECK * 2 + 1, spec_policy.COLD_RECHECK * 4 + 1]
+
+
+def test_steps_sent_ahead_count_as_cold_steps_of_their_own_batch_size():
+    """Served, a cold policy decodes with async scheduling: each step's draft decision sees no
+    candidates (the next step is already in flight) and counts a cold step. After a burst at batch
+    12 turned the policy cold, batch 1 must still come due for its probe (``wants_hidden`` says
+    yes, which stops the sending ahead); counted at the burst's batch size it never did, and a
+    served replica drafted nothing at batch 1 for thousands of steps after such a burst."""
+    policy = AdaptivePolicy(3)
+    Simulation([[0.9] * 4]).run(policy, 300)                      # batch 1: drafting pays
+    assert policy.warm
+    Simulation([[0.0] * 4] * 12, seed=1).run(policy, 300)         # a burst where it does not: cold
+    assert not policy.warm
+    probe_after = None
+    for step in range(4 * spec_policy.MAX_PROBE_INTERVAL):
+        policy.observe_step(1, 0, 0, 0.0052)
+        if policy.wants_hidden(1):
+            probe_after = step
+            break
+        assert policy.depths([], in_flight=1) == []
+    assert probe_after is not None and probe_after <= policy.probe_intervals.get(0, spec_policy.MIN_PROBE_INTERVAL)
