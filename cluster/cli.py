@@ -411,7 +411,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from shardserve.cluster.frontend.security import check_tls_pair
-    from shardserve.cluster.ingress import ingress_env, resolve_ingress
+    from shardserve.cluster.ingress import controller_env, ingress_env, resolve_ingress
     from shardserve.cluster.serve_app import build_app
     from shardserve.workers.model_source import resolve_model
 
@@ -433,6 +433,8 @@ def _serve(ns: argparse.Namespace) -> int:
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     if not ns.address:   # read by the Ray processes this starts; a joined cluster keeps its own
         os.environ.update(ingress_env(ingress, local=True))
+        for name, value in controller_env().items():   # a value of the user's own stands
+            os.environ.setdefault(name, value)
         _adopt_orphans()
     init_ray(ns.address, cfg.cpus_needed(), log_to_driver=False)
     _interrupt_event(stop)

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from shardserve.cluster.frontend.security import check_tls_pair
-from shardserve.cluster.ingress import ingress_env, resolve_ingress
+from shardserve.cluster.ingress import controller_env, ingress_env, resolve_ingress
 from shardserve.cluster.serve_app import ServeArgs
 
 RAY_VERSION = "2.60.0"
@@ -315,6 +315,7 @@ def _env(args: ServeArgs, layout: PodLayout) -> dict:
     """``{"env": [...]}`` of a Ray container (empty when there is nothing to set)."""
     env = dict(_NCCL_ENV) if args.worker_gpus() else {}
     env.update(ingress_env(resolve_ingress(layout.ingress, bool(layout.ssl_certfile)), local=False))
+    env.update(controller_env())
     env.update(layout.env)
     out = [{"name": key, "value": value} for key, value in env.items()]
     out.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})

@@ -58,9 +58,10 @@ def ray_cluster():
 
     import ray
 
-    from shardserve.cluster.ingress import ingress_env
+    from shardserve.cluster.ingress import controller_env, ingress_env
 
-    with mock.patch.dict(os.environ, ingress_env("haproxy", local=True)):   # read by the processes it starts
+    env = {**ingress_env("haproxy", local=True), **controller_env()}   # as `shardserve serve` sets them
+    with mock.patch.dict(os.environ, env):   # read by the processes it starts
         ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         yield ray

@@ -263,6 +263,8 @@ def test_every_ray_container_runs_serves_haproxy_ingress_by_default(capsys):
     assert len(envs) >= 2 and all(env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and
                                   env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" for env in envs), envs
     assert not any("RAY_SERVE_ENABLE_HA_PROXY" in env for env in ray_envs(["--ingress", "serve-proxy"]))
+    # Serve's control loop every 0.5 s, whatever the ingress (its CPU is taken from the ranks)
+    assert all(env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5" for env in envs + ray_envs(["--ingress", "serve-proxy"]))
 
 
 @pytest.mark.parametrize("bad,message", [
