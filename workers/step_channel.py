@@ -137,12 +137,14 @@ class StepClient:
 
     Args:
         paths: each rank's :attr:`StepServer.path`, in rank order.
+        names: each end's name in errors (default ``rank 0``, ``rank 1``, ...).
 
     Raises:
         OSError: a rank's socket could not be reached.
     """
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], names: list[str] | None = None) -> None:
+        self.names = names or [f"rank {rank}" for rank in range(len(paths))]
         self._socks = []
         try:
             for path in paths:
@@ -164,11 +166,11 @@ class StepClient:
             ChannelClosed: a rank's end is gone.
         """
         data = _frame(pickle.dumps(plan, protocol=5))
-        for sock in self._socks:
+        for rank, sock in enumerate(self._socks):
             try:
                 _send_all(sock, data)
             except OSError as exc:
-                raise ChannelClosed(f"step channel to a rank closed: {exc}") from exc
+                raise ChannelClosed(f"step channel to {self.names[rank]} closed: {exc}") from exc
 
     def recv(self) -> list:
         """Every rank's answer to the oldest unanswered plan, blocking; the first failure (an
@@ -224,9 +226,9 @@ class StepClient:
         except BlockingIOError:
             return
         except OSError as exc:
-            raise ChannelClosed(f"step channel to rank {rank} failed: {exc}") from exc
+            raise ChannelClosed(f"step channel to {self.names[rank]} failed: {exc}") from exc
         if not chunk:
-            raise ChannelClosed(f"step channel to rank {rank} closed (the rank died?)")
+            raise ChannelClosed(f"step channel to {self.names[rank]} closed (did it die?)")
         self._buffers[rank] += chunk
 
     def _take(self, rank: int):
@@ -289,10 +291,10 @@ class StepHost:
             server.close()
 
 
-def connect(actors: list, timeout_s: float | None = None) -> StepClient | None:
-    """A :class:`StepClient` to every actor in ``actors`` (:class:`StepHost` Ray actors) when all
-    run on this process's node and their sockets open, else None (each closes what it opened; the
-    caller keeps Ray calls).
+def connect(actors: list, timeout_s: float | None = None, names: list[str] | None = None) -> StepClient | None:
+    """A :class:`StepClient` to every actor in ``actors`` (:class:`StepHost` Ray actors; ``names``
+    for errors, see :class:`StepClient`) when all run on this process's node and their sockets
+    open, else None (each closes what it opened; the caller keeps Ray calls).
 
     Raises:
         ray.exceptions.RayError: an actor died or did not answer within ``timeout_s``.
@@ -303,7 +305,7 @@ def connect(actors: list, timeout_s: float | None = None) -> StepClient | None:
     paths = ray.get([actor.open_step_channel.remote(node_id) for actor in actors], timeout=timeout_s)
     if all(paths):
         try:
-            return StepClient(paths)
+            return StepClient(paths, names)
         except OSError as exc:
             logger.warning("no step channel (%s): steps go as Ray calls", exc)
     ray.get([actor.close_step_channel.remote() for actor in actors], timeout=timeout_s)

@@ -562,7 +562,7 @@ class RemoteDrafter:
         if self.num_blocks:
             self.allocate_caches(self.num_blocks, timeout_s)
         self._close_channel()
-        self._channel = connect([self.actor], timeout_s)
+        self._channel = connect([self.actor], timeout_s, names=["the draft worker"])
 
     def allocate_caches(self, num_blocks: int, timeout_s: float | None = None) -> None:
         """The draft's caches, ``num_blocks`` blocks (the group's count)."""
@@ -636,7 +636,7 @@ class RemoteDrafter:
         try:
             if not dead:
                 ray.get(self.actor.reset_state.remote(), timeout=timeout_s)
-                self._channel = connect([self.actor], timeout_s)
+                self._channel = connect([self.actor], timeout_s, names=["the draft worker"])
                 return False
             ray.kill(self.actor, no_restart=True)
             self._start(timeout_s)

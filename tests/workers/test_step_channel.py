@@ -73,7 +73,7 @@ def test_a_dead_rank_fails_the_read_at_once_even_while_another_rank_waits_for_it
         client.send("step")
         assert inside.wait(10)
         servers[1].close()
-        with pytest.raises(ChannelClosed):
+        with pytest.raises(ChannelClosed, match="rank 1"):   # the error names the end that went away
             client.recv()
     finally:
         release.set()
@@ -96,3 +96,19 @@ def test_async_reads_and_large_pipelined_plans_and_results_do_not_deadlock():
         client.close()
         for server in servers:
             server.close()
+
+
+def test_a_channel_names_its_ends_in_errors():
+    """The draft worker's channel says "the draft worker", not "rank 0" (an outside check read
+    "step channel to rank 0 closed (the rank died?)" after killing the draft worker)."""
+    server = StepServer(lambda plan: plan, ThreadPoolExecutor(max_workers=1).submit)
+    client = StepClient([server.path], names=["the draft worker"])
+    try:
+        client.send("ping")
+        assert client.recv() == ["ping"]
+        server.close()
+        with pytest.raises(ChannelClosed, match="step channel to the draft worker"):
+            client.send("ping")
+            client.recv()
+    finally:
+        client.close()
