@@ -60,7 +60,8 @@ from shardserve.cluster.frontend.openai_protocol import (
     rate_limited, response_body, timed_out, unavailable, usage_chunk)
 from shardserve.cluster.frontend.replica_directory import ReplicaEntry, StaticReplicas
 from shardserve.cluster.frontend.replica_link import ReplicaLink
-from shardserve.cluster.frontend.replica_pool import LOADING, READY, UNREACHABLE, Lease, NoReplicaReady, ReplicaPool
+from shardserve.cluster.frontend.replica_pool import (LOADING, READY, RECOVERING, UNREACHABLE, Lease, NoReplicaReady,
+                                                      ReplicaPool)
 from shardserve.cluster.frontend.responses_api import parse_responses
 from shardserve.cluster.frontend.security import ANONYMOUS, Caller, FrontConfig
 from shardserve.cluster.routing import RoutingPolicy, prompt_block_hashes
@@ -285,16 +286,17 @@ class RouterCore:
 
     # -- plain endpoints -------------------------------------------------------------------------
     def health_state(self) -> str:
-        """``ok`` (the tokenizer is loaded and a replica is ready), ``loading`` or ``unhealthy``."""
+        """``ok`` (the tokenizer is loaded and a replica is ready), ``recovering`` (none ready and
+        one repairing itself in place), ``loading`` or ``unhealthy``."""
         if self.tokenizer_error or (self.pool.replicas and all(r.state == "failed" for r in self.pool.replicas)):
             return "unhealthy"
         if self.tokenizer is None or not self.pool.ready():
-            return "loading"
+            return RECOVERING if any(r.state == RECOVERING for r in self.pool.replicas) else "loading"
         return "ok"
 
     async def health(self) -> Response:
-        """``GET /health`` (open): ``{"status": "ok"}`` with 200, or ``loading`` / ``unhealthy``
-        with 503. Nothing else: the details are on ``GET /admin/status``.
+        """``GET /health`` (open): ``{"status": "ok"}`` with 200, or ``loading`` / ``recovering`` /
+        ``unhealthy`` with 503. Nothing else: the details are on ``GET /admin/status``.
         It answers from the replica states of the last poll (every ``poll_s``)."""
         state = self.health_state()
         return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)

@@ -130,6 +130,25 @@ def test_routing_skips_replicas_that_are_not_ready():
     assert pool.replicas[1].state == "failed"
 
 
+def test_health_says_recovering_while_the_only_replica_repairs_itself():
+    """README: a replica repairing a dead worker in place reports ``recovering``; ``/health`` said
+    ``loading`` then (an outside check read it after killing a draft worker)."""
+    async def recovering() -> dict:
+        return {"state": "recovering", "address": None, "error": None, "info": None}
+
+    async def scenario():
+        core = RouterCore("m", ["m"], [recovering], load_tokenizer=lambda: object(), poll_s=0.01)
+        core.start()
+        await asyncio.sleep(0.05)
+        try:
+            return await core.health()
+        finally:
+            await core.close()
+
+    health = asyncio.run(scenario())
+    assert health.status_code == 503 and json.loads(health.body) == {"status": "recovering"}
+
+
 def test_router_answers_503_while_loading_and_checks_model_and_params_first():
     async def loading() -> dict:
         return {"state": "loading", "address": None, "error": None, "info": None}
