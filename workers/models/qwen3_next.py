@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.kernels import paged_attention, store_kv
+from shardserve.kernels import paged_attention, rms_norm, store_kv
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.compilation import opaque_call, tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import get_attention_metadata
 from shardserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shardserve.kernels import rms_norm
 from shardserve.workers.layers.norm import RMSNorm
 from shardserve.workers.layers.rotary import RotaryEmbedding
 from shardserve.workers.models.gated_deltanet import GatedDeltaNet
