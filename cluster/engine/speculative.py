@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from shardserve.cluster.engine.request import RequestStatus, SpecUsage
+from shardserve.cluster.engine.request import RequestStatus
 from shardserve.cluster.engine.spec_policy import Candidate, make_policy
 from shardserve.workers.messages import DraftBatch, DraftRequest, DraftResult, NewRequestData, StepResult
 
@@ -230,8 +230,6 @@ class Speculator:
         emitted = Counter(s.req_id for s in result.sampled)
         for request, sched in zip(batch.requests, batch.plan.scheduled):
             if sched.num_spec_tokens:
-                if request.spec is None:
-                    request.spec = SpecUsage()
                 accepted = emitted[sched.req_id] - 1
                 self.stats.add(sched.num_spec_tokens, accepted)
                 self.policy.observe_acceptance(sched.req_id, sched.num_spec_tokens, accepted)
