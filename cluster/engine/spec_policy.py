@@ -404,9 +404,10 @@ class AdaptivePolicy(FixedPolicy):
         scheduler holds, up to ``max_num_seqs``) with that pass's cost included. Otherwise the
         prompts stay out of the draft cache and no probe runs on the step: on the demo model,
         batch 32 prefills over 16 such steps on CPU, which cost k = 2 a quarter more wall time than
-        k = 0's, for an acceptance length that did not change without them (2.54 vs 2.53, the MTP
-        layer's input ``h_t`` carries the context). A request whose drafts suffer from the gap shows
-        it in its own acceptance, and the policy stops drafting for it."""
+        k = 0's. On the benchmark's random-token prompts the acceptance length did not change
+        without them (2.54 vs 2.53); on text it does: a served request whose prompt the draft
+        cache lacked drafted 4 times in 120 tokens where one with it drafted ~40 (its own
+        acceptance shows the gap, and the policy stops drafting for it). See :meth:`_pays_at`."""
         if not (self.warm or self._probe_due(num_seqs)):
             return False
         return not prompt_tokens or self._pays_at(max(num_seqs, batch_after), prompt_tokens)
