@@ -98,7 +98,18 @@ def draft_resources(config: GroupConfig) -> tuple[float, float]:
     return share(config.cpus_per_worker), share(config.gpus_per_worker)
 
 
-class WorkerGroup:
+class _ChannelOwner:
+    """Holds a :class:`workers.step_channel.StepClient` (``_channel``, None while Ray calls carry the steps)."""
+
+    _channel = None
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+class WorkerGroup(_ChannelOwner):
     """The ranks of one model replica (and its MTP draft worker).
 
     Args:
@@ -183,11 +194,6 @@ class WorkerGroup:
         instead of a Ray call's ~600 us of CPU. Ray calls stay where any rank is on another node."""
         self._close_channel()
         self._channel = connect(self.workers)
-
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
 
     def _spawn(self, rank: int):
         """A new (not yet loaded) ShardWorker actor for ``rank`` in its own bundle (rank 0 leaves the
@@ -520,7 +526,7 @@ def _first_failure_get(refs: list) -> list:
     return ray.get(refs)
 
 
-class RemoteDrafter:
+class RemoteDrafter(_ChannelOwner):
     """The replica's DraftWorker actor (MTP draft model), in rank 0's bundle (see the module
     docstring); made by :class:`WorkerGroup`.
 
@@ -589,11 +595,6 @@ class RemoteDrafter:
             return ray.get(self.actor.propose.remote(batch))
         except Exception as exc:
             raise WorkerDiedError(f"draft worker failed: {root_cause(exc)}") from exc
-
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
 
     def check_alive(self) -> None:
         """Between steps: raise if the actor died, without waiting. Every ``DRAFT_PING_S`` it reads
