@@ -10,8 +10,9 @@
 # or mount a model and pass its path.
 FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
-# make runs the install; wget is what KubeRay's injected liveness and readiness probes call
-RUN apt-get update && apt-get install -y --no-install-recommends make wget \
+# make runs the install; wget is what KubeRay's injected liveness and readiness probes call; g++ builds
+# the CPU decode-attention kernel (kernels/cpu_attention.c) and `--compile` kernels on first use
+RUN apt-get update && apt-get install -y --no-install-recommends make wget g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/shardserve

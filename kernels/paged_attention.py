@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels import cpu_attention
 from shardserve.kernels.dispatch import use_triton
 
 
@@ -365,7 +366,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, max_query_len: int, max_seq_len: int,
                     step_cache: dict | None = None) -> torch.Tensor:
     """Dispatching paged attention (:func:`kernels.paged_attention_triton.paged_attention_triton`
-    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode).
+    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode;
+    small bf16 decode steps on CPU run :func:`kernels.cpu_attention.decode_attention`).
 
     ``step_cache``: see :func:`paged_attention_ref`."""
     if use_triton(query):
@@ -373,5 +375,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, max_seq_len)
+    if query.dtype == torch.bfloat16 and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:   # a decode step
+        out = cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+        if out is not None:
+            return out
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                scale, max_query_len, max_seq_len, step_cache)

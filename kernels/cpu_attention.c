@@ -1,0 +1,134 @@
+/* Paged K/V store and decode attention for CPU ranks, bf16 caches, one thread per call.
+ *
+ * Built and loaded by kernels/cpu_attention.py (the host's C compiler, -O3 -march=native); the
+ * same contracts as store_kv_ref and paged_decode_attention in kernels/paged_attention.py, for a
+ * decode step of few sequences, where each torch op of those paths costs more host time than the
+ * arithmetic (a batch-1 SmolLM2 layer spent ~35 us in them, for ~1 us of math).
+ *
+ * bf16 is the upper half of an IEEE float32: widening is a shift; narrowing rounds to nearest even.
+ * Scores, softmax and the weighted sum are float32 (torch's CPU flash attention does the same), the
+ * output is rounded to bf16 once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);   /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* e^x for x <= 0 (softmax terms), branch-free so that the loop over a row vectorizes:
+ * 2^(x log2 e) = 2^n 2^f, n = round, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
+ * (relative error < 3e-7, below float32's 6e-8 x the 5 roundings of the sum that follows). */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.0f ? -126.0f : t;
+    const float n = __builtin_roundf(t);
+    const float f = (t - n) * 0.69314718055994531f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One query token per sequence over its paged K/V.
+ * q [B, H, D] (token stride q_stride, heads contiguous), caches [num_blocks, block_size, Hkv, D],
+ * block_tables [B, max_blocks] int32, seq_lens [B] int64 (keys per sequence, this step's included),
+ * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G. */
+static inline __attribute__((always_inline)) void attend(
+        const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+        const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out, int64_t batch,
+        int64_t num_heads, int64_t num_kv, const int64_t head_dim, int64_t block_size, float scale, float *scratch) {
+    const int64_t group = num_heads / num_kv;
+    const int64_t row = num_kv * head_dim;               /* elements between two positions of a block */
+    float qf[8][256];                                    /* a KV head's query heads, widened and scaled */
+    float acc[8][256];
+    float kf[256];
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t length = seq_lens[b];
+        const int32_t *table = block_tables + b * max_blocks;
+        for (int64_t kvh = 0; kvh < num_kv; ++kvh) {
+            float maxes[8], sums[8];
+            for (int64_t g = 0; g < group; ++g) {
+                const uint16_t *src = q + b * q_stride + (kvh * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) qf[g][d] = widen(src[d]) * scale;
+                maxes[g] = -INFINITY;
+                memset(acc[g], 0, sizeof(float) * (size_t)head_dim);
+            }
+            /* scores: one pass over the keys, block by block, for all G query heads */
+            for (int64_t start = 0; start < length; start += block_size) {
+                const uint16_t *keys = k_cache + (int64_t)table[start / block_size] * block_size * row + kvh * head_dim;
+                const int64_t count = length - start < block_size ? length - start : block_size;
+                for (int64_t i = 0; i < count; ++i) {
+                    const uint16_t *key = keys + i * row;
+                    for (int64_t d = 0; d < head_dim; ++d) kf[d] = widen(key[d]);
+                    for (int64_t g = 0; g < group; ++g) {
+                        float lanes[LANES] = {0};
+                        int64_t d = 0;
+                        for (; d + LANES <= head_dim; d += LANES)
+                            for (int j = 0; j < LANES; ++j) lanes[j] += qf[g][d + j] * kf[d + j];
+                        float score = 0.0f;
+                        for (int j = 0; j < LANES; ++j) score += lanes[j];
+                        for (; d < head_dim; ++d) score += qf[g][d] * kf[d];
+                        scratch[g * length + start + i] = score;
+                        maxes[g] = score > maxes[g] ? score : maxes[g];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                float *scores = scratch + g * length, sum = 0.0f;
+                for (int64_t t = 0; t < length; ++t) scores[t] = exp_nonpositive(scores[t] - maxes[g]);
+                for (int64_t t = 0; t < length; ++t) sum += scores[t];
+                sums[g] = sum;
+            }
+            /* weighted sum of the values, block by block */
+            for (int64_t start = 0; start < length; start += block_size) {
+                const uint16_t *values = v_cache + (int64_t)table[start / block_size] * block_size * row + kvh * head_dim;
+                const int64_t count = length - start < block_size ? length - start : block_size;
+                for (int64_t i = 0; i < count; ++i) {
+                    const uint16_t *value = values + i * row;
+                    for (int64_t d = 0; d < head_dim; ++d) kf[d] = widen(value[d]);
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float p = scratch[g * length + start + i];
+                        for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * kf[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                uint16_t *dst = out + (b * num_heads + kvh * group + g) * head_dim;
+                const float inv = 1.0f / sums[g];
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = narrow(acc[g][d] * inv);
+            }
+        }
+    }
+}
+
+void decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out,
+                      int64_t batch, int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t block_size,
+                      float scale, float *scratch) {
+    /* the common head sizes as constants: fixed trip counts, no remainder loops per key */
+    if (head_dim == 64)
+        attend(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, num_heads, num_kv, 64,
+               block_size, scale, scratch);
+    else if (head_dim == 128)
+        attend(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, num_heads, num_kv, 128,
+               block_size, scale, scratch);
+    else
+        attend(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, num_heads, num_kv,
+               head_dim, block_size, scale, scratch);
+}

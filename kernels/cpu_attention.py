@@ -1,0 +1,137 @@
+"""Small-batch decode attention and K/V stores on CPU in C (``kernels/cpu_attention.c``).
+
+A batch-1 decode layer of SmolLM2 spent ~35 us of host time in the torch ops of
+:func:`kernels.paged_attention.store_kv_ref` and :func:`kernels.paged_attention.paged_decode_attention`
+(two row scatters, two block gathers, the flash-attention call and their dispatch) for ~1 us of
+arithmetic; the C versions do the same work in one call each, on the calling thread. Same contracts
+and the same float32 math (scores, softmax and weighted sum in float32, one rounding to bf16), so
+the torch paths are their references (``tests/kernels/test_cpu_attention.py``).
+
+The source is compiled once per host by its C compiler (``$CC``, else ``cc``; ``-O3
+-march=native``) into ``$SHARDSERVE_CACHE/cpu_kernels``, keyed by the source, the flags and the
+CPU's feature flags, and loaded with ctypes. Where no compiler works (or ``SHARDSERVE_KERNELS=torch``)
+:func:`available` is False and callers keep the torch paths; the first failure is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
+MAX_GROUP, MAX_HEAD_DIM = 8, 256   # the C kernel's stack buffers: query heads per KV head, head_dim
+MAX_DECODE_KEYS = 4096             # batch x longest context up to which the one-thread kernel beats torch's
+                                   # (measured on 2 cores, SmolLM2 shapes: benchmarks/profile_decode.py)
+
+_lib: ctypes.CDLL | None = None
+_failed = False
+_lock = threading.Lock()
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve") / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or find) and load the shared library.
+
+    Raises:
+        OSError, subprocess.CalledProcessError: no working C compiler, or loading failed.
+    """
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode()]))
+    target = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, target)   # atomic: another process may build the same file at once
+    lib = ctypes.CDLL(str(target))
+    lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P]
+    lib.decode_attention.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernels are loaded (built on first call); False where they cannot be or
+    ``SHARDSERVE_KERNELS`` asks for another implementation."""
+    global _lib, _failed
+    if os.environ.get("SHARDSERVE_KERNELS"):
+        return False
+    if _lib is not None:
+        return True
+    if _failed:
+        return False
+    with _lock:
+        if _lib is None and not _failed:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                _failed = True
+                detail = getattr(exc, "stderr", b"") or b""
+                logger.warning("CPU attention kernels unavailable (%s%s); decode attention stays on torch ops",
+                               exc, f": {detail.decode(errors='replace')[:200]}" if detail else "")
+    return _lib is not None
+
+
+def _rows_ok(rows: torch.Tensor) -> bool:
+    """``[n, heads, D]`` bf16 rows with each token's heads contiguous (any token stride)."""
+    return (rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and rows.stride(2) == 1
+            and rows.stride(1) == rows.shape[2])
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor | None:
+    """:func:`kernels.paged_attention.paged_decode_attention` in C where it applies, else None.
+
+    Args:
+        query: ``[B, H, D]`` bf16 (heads contiguous per token); query head ``h`` reads KV head
+            ``h // (H / Hkv)``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` bf16, contiguous (this step's K/V stored).
+        block_tables: ``[B, max_blocks]`` int32. seq_lens: ``[B]`` int64, keys per sequence.
+        scale: softmax scale. max_seq_len: the longest context (host int).
+
+    Returns:
+        ``[B, H, D]`` bf16, or None where the torch path must run: other dtypes or layouts,
+        ``H / Hkv > 8``, ``D > 256``, more than :data:`MAX_DECODE_KEYS` keys in all, no compiler.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv = k_cache.shape[2]
+    if not (batch * max_seq_len <= MAX_DECODE_KEYS and _rows_ok(query) and num_heads // num_kv <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM and k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int32
+            and block_tables.is_contiguous() and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
+            and available()):
+        return None
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
+    scratch = torch.empty((num_heads // num_kv) * max_seq_len, dtype=torch.float32)
+    _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
+                          batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale, scratch.data_ptr())
+    return out

@@ -1,0 +1,94 @@
+"""The C decode attention of CPU ranks (``kernels/cpu_attention.c``) against its torch reference,
+``paged_decode_attention``, which stays the path wherever the C kernel does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_utils import make_block_tables
+from shardserve.kernels import cpu_attention
+from shardserve.kernels.paged_attention import paged_attention, paged_decode_attention
+
+# (block_size, seq_lens, num_heads, num_kv_heads, head_dim)
+CASES = [
+    (16, [1], 9, 3, 64),                 # SmolLM2's heads, the first position
+    (16, [16, 17, 40], 9, 3, 64),        # ending on / one past a block boundary
+    (16, [300], 32, 4, 128),             # Llama-3-style GQA, head_dim 128, many blocks
+    (64, [70, 5], 8, 1, 80),             # MQA (8 heads per KV head), a head_dim with no constant path
+    (1, [7, 3], 4, 4, 48),               # block_size 1, no GQA
+    (16, [33], 16, 2, 256),              # Qwen3-Next's full-attention heads (8 per KV head, head_dim 256)
+]
+
+
+@pytest.fixture(autouse=True)
+def _kernels(monkeypatch):
+    monkeypatch.delenv("SHARDSERVE_KERNELS", raising=False)
+    if not cpu_attention.available():
+        pytest.skip("no C compiler on this machine: the torch path runs")
+
+
+@pytest.mark.parametrize("block_size, seq_lens, num_heads, num_kv, head_dim", CASES)
+def test_decode_attention_matches_the_torch_path(block_size, seq_lens, num_heads, num_kv, head_dim):
+    torch.manual_seed(0)
+    block_tables, num_blocks = make_block_tables(seq_lens, block_size)
+    k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    batch = len(seq_lens)
+    # as a model passes it: a view of a wider [T, H + 2 Hkv, D] projection (token stride > H * D)
+    query = torch.randn(batch, num_heads + 2 * num_kv, head_dim, dtype=torch.bfloat16)[:, :num_heads]
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    tables = block_tables.to(torch.int32)
+    scale = head_dim ** -0.5
+    ours = cpu_attention.decode_attention(query, k_cache, v_cache, tables, lens, scale, max(seq_lens))
+    assert ours is not None and ours.dtype == torch.bfloat16 and ours.shape == (batch, num_heads, head_dim)
+    ref = paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, max(seq_lens))
+    exact = paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, lens, scale, max(seq_lens))
+    # both float32 inside, one rounding to bf16: within two bf16 steps of the float32 result
+    assert (ours.float() - exact).abs().max() <= 2 * 2 ** -8 * exact.abs().max().clamp(min=1)
+    assert (ours.float() - ref.float()).abs().max() <= 2 * 2 ** -8 * exact.abs().max().clamp(min=1)
+
+
+def test_paged_attention_dispatches_small_bf16_decode_steps_to_it(monkeypatch):
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *args: calls.append(args) or real(*args))
+    block_tables, num_blocks = make_block_tables([5, 9], 16)
+    k_cache = torch.randn(num_blocks, 16, 2, 32, dtype=torch.bfloat16)
+    query = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    args = (k_cache, torch.randn_like(k_cache), block_tables.to(torch.int32), torch.tensor([5, 9]),
+            torch.tensor([0, 1, 2]), 0.2, 1, 9)
+    out = paged_attention(query, *args)
+    assert len(calls) == 1
+    monkeypatch.setenv("SHARDSERVE_KERNELS", "torch")                 # the reference, as the switch says
+    assert torch.allclose(paged_attention(query, *args).float(), out.float(), atol=2e-2) and len(calls) == 2
+    assert not cpu_attention.available()
+
+
+@pytest.mark.parametrize("change", ["float32", "group", "keys", "cache layout"])
+def test_the_torch_path_runs_where_the_kernel_does_not_apply(change):
+    block_tables, num_blocks = make_block_tables([20], 16)
+    heads, num_kv = (18, 2) if change == "group" else (4, 2)
+    dtype = torch.float32 if change == "float32" else torch.bfloat16
+    k_cache = torch.randn(num_blocks, 16, num_kv, 32, dtype=dtype)
+    if change == "cache layout":
+        k_cache = k_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    query = torch.randn(1, heads, 32, dtype=dtype)
+    longest = cpu_attention.MAX_DECODE_KEYS + 1 if change == "keys" else 20
+    assert cpu_attention.decode_attention(query, k_cache, k_cache.clone(), block_tables.to(torch.int32),
+                                          torch.tensor([20]), 0.2, longest) is None
+
+
+def test_no_compiler_leaves_the_torch_path_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))            # nothing built there yet
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_failed", False)
+    assert not cpu_attention.available() and not cpu_attention.available()
+    assert sum("CPU attention kernels unavailable" in r.message for r in caplog.records) == 1
+    block_tables, num_blocks = make_block_tables([3], 16)
+    k_cache = torch.randn(num_blocks, 16, 1, 16, dtype=torch.bfloat16)
+    query = torch.randn(1, 2, 16, dtype=torch.bfloat16)
+    out = paged_attention(query, k_cache, k_cache.clone(), block_tables.to(torch.int32), torch.tensor([3]),
+                          torch.tensor([0, 1]), 0.25, 1, 3)
+    assert out.shape == (1, 2, 16)
