@@ -48,7 +48,9 @@ static inline float exp_nonpositive(float x) {
 /* One query token per sequence over its paged K/V.
  * q [B, H, D] (token stride q_stride, heads contiguous), caches [num_blocks, block_size, Hkv, D],
  * block_tables [B, max_blocks] int32, seq_lens [B] int64 (keys per sequence, this step's included),
- * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G. */
+ * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G.
+ * With slots (else NULL), this step's K/V rows k_new, v_new [B, Hkv, D] (token strides k_stride,
+ * v_stride) are first stored at cache slots[b] (negative: skipped), as store_kv_ref does. */
 static inline __attribute__((always_inline)) void attend(
         const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
         const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out, int64_t batch,
@@ -117,10 +119,19 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-void decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+void decode_attention(const uint16_t *q, int64_t q_stride, uint16_t *k_cache, uint16_t *v_cache,
                       const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out,
                       int64_t batch, int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t block_size,
-                      float scale, float *scratch) {
+                      float scale, float *scratch, const uint16_t *k_new, int64_t k_stride, const uint16_t *v_new,
+                      int64_t v_stride, const int64_t *slots) {
+    if (slots) {
+        const size_t bytes = (size_t)(num_kv * head_dim) * sizeof(uint16_t);
+        for (int64_t b = 0; b < batch; ++b) {
+            if (slots[b] < 0) continue;
+            memcpy(k_cache + slots[b] * num_kv * head_dim, k_new + b * k_stride, bytes);
+            memcpy(v_cache + slots[b] * num_kv * head_dim, v_new + b * v_stride, bytes);
+        }
+    }
     /* the common head sizes as constants: fixed trip counts, no remainder loops per key */
     if (head_dim == 64)
         attend(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, num_heads, num_kv, 64,

@@ -73,7 +73,7 @@ def _build() -> ctypes.CDLL:
                            capture_output=True, timeout=120)
             os.replace(built, target)   # atomic: another process may build the same file at once
     lib = ctypes.CDLL(str(target))
-    lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P]
+    lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I, _P, _I, _P]
     lib.decode_attention.restype = None
     return lib
 
@@ -107,19 +107,24 @@ def _rows_ok(rows: torch.Tensor) -> bool:
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor | None:
-    """:func:`kernels.paged_attention.paged_decode_attention` in C where it applies, else None.
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int, key: torch.Tensor | None = None,
+                     value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`kernels.paged_attention.paged_decode_attention` in C where it applies, else None;
+    with ``key``, ``value`` and ``slot_mapping``, this step's K/V are stored first
+    (:func:`kernels.paged_attention.store_kv_ref`), in the same call.
 
     Args:
         query: ``[B, H, D]`` bf16 (heads contiguous per token); query head ``h`` reads KV head
             ``h // (H / Hkv)``.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` bf16, contiguous (this step's K/V stored).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` bf16, contiguous.
         block_tables: ``[B, max_blocks]`` int32. seq_lens: ``[B]`` int64, keys per sequence.
         scale: softmax scale. max_seq_len: the longest context (host int).
+        key, value: ``[B, Hkv, D]`` bf16 (heads contiguous per token). slot_mapping: ``[B]`` int64
+            (negative: not stored).
 
     Returns:
-        ``[B, H, D]`` bf16, or None where the torch path must run: other dtypes or layouts,
-        ``H / Hkv > 8``, ``D > 256``, more than :data:`MAX_DECODE_KEYS` keys in all, no compiler.
+        ``[B, H, D]`` bf16, or None (nothing stored) where the torch path must run: other dtypes or
+        layouts, ``H / Hkv > 8``, ``D > 256``, more than :data:`MAX_DECODE_KEYS` keys in all, no compiler.
     """
     batch, num_heads, head_dim = query.shape
     num_kv = k_cache.shape[2]
@@ -129,9 +134,15 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             and block_tables.is_contiguous() and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
             and available()):
         return None
+    stored = (0, 0, 0, 0, 0)
+    if slot_mapping is not None:
+        if not (_rows_ok(key) and _rows_ok(value) and key.shape[0] == batch and key.shape[1:] == (num_kv, head_dim)
+                and value.shape == key.shape and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+            return None
+        stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr())
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
     scratch = torch.empty((num_heads // num_kv) * max_seq_len, dtype=torch.float32)
     _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-                          batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale, scratch.data_ptr())
+                          batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale, scratch.data_ptr(), *stored)
     return out

@@ -361,13 +361,29 @@ def store_cache(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
     store_cache_ref(values, cache, slot_mapping)
 
 
+def store_kv_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int, step_cache: dict | None = None) -> torch.Tensor:
+    """:func:`store_kv` then :func:`paged_attention` (same arguments and result); a small bf16
+    decode step on CPU does both in one C call (:func:`kernels.cpu_attention.decode_attention`)."""
+    if (query.dtype == torch.bfloat16 and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
+            and not use_triton(query)):
+        out = cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                             key, value, slot_mapping)
+        if out is not None:
+            return out
+    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+                           max_seq_len, step_cache)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
                     step_cache: dict | None = None) -> torch.Tensor:
     """Dispatching paged attention (:func:`kernels.paged_attention_triton.paged_attention_triton`
-    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode;
-    small bf16 decode steps on CPU run :func:`kernels.cpu_attention.decode_attention`).
+    or :func:`paged_attention_ref`, same contract; the Triton kernel handles prefill and decode).
 
     ``step_cache``: see :func:`paged_attention_ref`."""
     if use_triton(query):
@@ -375,9 +391,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, max_seq_len)
-    if query.dtype == torch.bfloat16 and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:   # a decode step
-        out = cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-        if out is not None:
-            return out
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                scale, max_query_len, max_seq_len, step_cache)

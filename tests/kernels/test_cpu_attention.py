@@ -8,7 +8,8 @@ import torch
 
 from kernel_utils import make_block_tables
 from shardserve.kernels import cpu_attention
-from shardserve.kernels.paged_attention import paged_attention, paged_decode_attention
+from shardserve.kernels.paged_attention import (paged_attention, paged_decode_attention, store_kv_and_attend,
+                                                  store_kv_ref)
 
 # (block_size, seq_lens, num_heads, num_kv_heads, head_dim)
 CASES = [
@@ -49,19 +50,38 @@ def test_decode_attention_matches_the_torch_path(block_size, seq_lens, num_heads
     assert (ours.float() - ref.float()).abs().max() <= 2 * 2 ** -8 * exact.abs().max().clamp(min=1)
 
 
-def test_paged_attention_dispatches_small_bf16_decode_steps_to_it(monkeypatch):
+def test_store_kv_and_attend_stores_and_attends_in_one_call_on_small_bf16_decode_steps(monkeypatch):
+    """This step's K/V land in the caches exactly as :func:`store_kv_ref` puts them (a negative slot,
+    as the Triton store has it: not stored), and the result is the torch path's within bf16 rounding;
+    ``SHARDSERVE_KERNELS=torch`` keeps the torch ops."""
     calls = []
     real = cpu_attention.decode_attention
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *args: calls.append(args) or real(*args))
-    block_tables, num_blocks = make_block_tables([5, 9], 16)
+    torch.manual_seed(0)
+    block_tables, num_blocks = make_block_tables([5, 9, 4], 16)
+    tables = block_tables.to(torch.int32)
     k_cache = torch.randn(num_blocks, 16, 2, 32, dtype=torch.bfloat16)
-    query = torch.randn(2, 4, 32, dtype=torch.bfloat16)
-    args = (k_cache, torch.randn_like(k_cache), block_tables.to(torch.int32), torch.tensor([5, 9]),
-            torch.tensor([0, 1, 2]), 0.2, 1, 9)
-    out = paged_attention(query, *args)
+    v_cache = torch.randn_like(k_cache)
+    qk = torch.randn(3, 4 + 2, 32, dtype=torch.bfloat16)             # as Llama passes them: Q and K out of
+    query, key = qk[:, :4], qk[:, 4:]                                  # one RoPE call, V a view of the wider
+    value = torch.randn(3, 4 + 2 + 2, 32, dtype=torch.bfloat16)[:, 6:]  # projection (other token strides)
+    seq_lens = torch.tensor([5, 9, 4])
+    slots = torch.stack([tables[b, (n - 1) // 16].long() * 16 + (n - 1) % 16 for b, n in enumerate([5, 9, 4])])
+    slots[2] = -1                                                       # a placeholder row: not stored
+    args = (slots, tables, seq_lens, torch.tensor([0, 1, 2, 3]), 0.2, 1, 9)
+    k_ours, v_ours = k_cache.clone(), v_cache.clone()
+    out = store_kv_and_attend(query, key, value, k_ours, v_ours, *args)
     assert len(calls) == 1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(key[:2], value[:2], k_ref, v_ref, slots[:2])
+    assert torch.equal(k_ours, k_ref) and torch.equal(v_ours, v_ref)
     monkeypatch.setenv("SHARDSERVE_KERNELS", "torch")                 # the reference, as the switch says
-    assert torch.allclose(paged_attention(query, *args).float(), out.float(), atol=2e-2) and len(calls) == 2
+    k_torch, v_torch = k_cache.clone(), v_cache.clone()
+    store_kv_ref(key[:2], value[:2], k_torch, v_torch, slots[:2])
+    ref = paged_attention(query, k_torch, v_torch, *args[1:])
+    slots[2] = slots[1] + 1                                             # the torch path stores every row
+    assert torch.equal(store_kv_and_attend(query, key, value, k_torch, v_torch, *args), ref) and len(calls) == 2
+    assert (out.float() - ref.float()).abs().max() <= 2 * 2 ** -8 * ref.float().abs().max()
     assert not cpu_attention.available()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.kernels import paged_attention, silu_and_mul, store_kv
+from shardserve.kernels import silu_and_mul, store_kv_and_attend
 from shardserve.workers.compilation import opaque_call
 from shardserve.workers.distributed import get_tp_group
 from shardserve.workers.forward_context import get_attention_metadata
@@ -71,9 +71,9 @@ class LlamaAttention(nn.Module):
         -> ``([T, H, D],)`` (opaque to torch.compile: ``workers/compilation.py``)."""
         meta = get_attention_metadata()
         k_cache, v_cache = self.kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return (paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                self.scale, meta.max_query_len, meta.max_seq_len, meta.step_cache),)
+        return (store_kv_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                                    meta.step_cache),)
 
     def opaque_fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.empty_like(q),)

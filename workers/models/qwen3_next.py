@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.kernels import paged_attention, rms_norm, store_kv
+from shardserve.kernels import rms_norm, store_kv_and_attend
 from shardserve.workers.checkpoint import LazyTensor
 from shardserve.workers.compilation import opaque_call, tp_all_reduce
 from shardserve.workers.distributed import get_tp_group
@@ -116,9 +116,9 @@ class Qwen3NextAttention(nn.Module):
         """Cache write and paged attention (opaque to ``--compile``), as :class:`LlamaAttention`'s."""
         meta = get_attention_metadata()
         k_cache, v_cache = self.kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return (paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                self.head_dim ** -0.5, meta.max_query_len, meta.max_seq_len, meta.step_cache),)
+        return (store_kv_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, self.head_dim ** -0.5, meta.max_query_len, meta.max_seq_len,
+                                    meta.step_cache),)
 
     def opaque_fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.empty_like(q),)
