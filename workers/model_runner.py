@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.kernels import cpu_attention
 from shardserve.workers.checkpoint import GGUFCheckpoint
 from shardserve.workers.compilation import CompiledForward, use_compile
 from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_caches, gib, host_memory_available,
@@ -349,6 +350,8 @@ class ModelRunner:
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
                     self.weight_bytes / 2**20, self.plan.activation_bytes / 2**20, self.cache_bytes / 2**20,
                     num_blocks, self.block_size)
+        if self.device.type == "cpu":
+            cpu_attention.available()   # builds the C decode attention now (first start: ~1 s), not in a request
         self.compile_forward()
         self.capture_graphs()
         self.check_memory_held()
