@@ -57,7 +57,7 @@ bench: install
 	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/packed_accuracy.py
 	$(PY) benchmarks/bench_packed_linear.py
-	$(PY) benchmarks/profile_decode.py
+	$(PY) benchmarks/profile_decode.py --attention-ab 4
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_startup.py
 	$(PY) benchmarks/cpu_per_token.py

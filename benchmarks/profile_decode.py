@@ -5,6 +5,7 @@ profiler (wall ms per step, and the share inside ``ModelRunner.execute``), then 
 again and groups the ATen ops' self time: packed matmuls, float matmuls, attention, the rest
 (norms, RoPE, cache writes, indexing, casts). Python and dispatch overhead is the step time
 that no op accounts for; then the ATen op calls per step (machine-independent, unlike the times).
+``--attention-ab N`` then times the C decode attention against the torch ops (N interleaved pairs).
 Run with ``make bench``; not a test.
 """
 
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--compile", default="off", choices=["off", "auto", "on"], help="engine --compile")
+    parser.add_argument("--attention-ab", type=int, default=0, metavar="ROUNDS",
+                        help="then time ROUNDS pairs of decode runs, the C decode attention (kernels/cpu_attention.py) "
+                             "against the torch ops (SHARDSERVE_KERNELS=torch), interleaved in this process")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -76,6 +80,38 @@ def main() -> None:
     print(f"ATen op calls per step (nested ones included; the same on any machine): {sum(calls.values()):.0f}, of "
           "which " + ", ".join(f"{name} {calls.get('aten::' + name, 0):.0f}" for name in ("copy_", "_to_copy", "index")))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+    if args.attention_ab:
+        attention_ab(llm, args.attention_ab, args.steps)
+
+
+def attention_ab(llm, rounds: int, steps: int) -> None:
+    """Batch-1 decode ms per step with the C decode attention and with the torch ops, ``rounds``
+    pairs interleaved on one engine (separate processes differed by more than the effect)."""
+    import os
+    import statistics
+
+    from shardserve.cluster.engine.request import SamplingParams
+
+    times: dict[str, list[float]] = {"C kernel": [], "torch ops": []}
+    for round_ in range(rounds):
+        for name in times:
+            if name == "torch ops":
+                os.environ["SHARDSERVE_KERNELS"] = "torch"
+            else:
+                os.environ.pop("SHARDSERVE_KERNELS", None)
+            llm.core.add_request(llm.encode(f"Story {round_}: once upon a time"),
+                                 SamplingParams(max_tokens=steps + 24, temperature=0, ignore_eos=True))
+            for _ in range(8):
+                llm.core.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                llm.core.step()
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+            while llm.core.has_unfinished():
+                llm.core.step()
+    os.environ.pop("SHARDSERVE_KERNELS", None)
+    print("decode attention, batch-1 step (median ms of %d interleaved runs): " % rounds
+          + ", ".join(f"{name} {statistics.median(ms):.2f}" for name, ms in times.items()))
 
 
 if __name__ == "__main__":
