@@ -50,7 +50,10 @@ static inline float exp_nonpositive(float x) {
  * block_tables [B, max_blocks] int32, seq_lens [B] int64 (keys per sequence, this step's included),
  * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G.
  * With slots (else NULL), this step's K/V rows k_new, v_new [B, Hkv, D] (token strides k_stride,
- * v_stride) are first stored at cache slots[b] (negative: skipped), as store_kv_ref does. */
+ * v_stride) are first stored at cache slots[b] (negative: skipped), as store_kv_ref does.
+ * Returns 0, or -1 without touching anything when an index is out of range (a slot past the cache,
+ * a sequence longer than max_seq_len or than its block table, a block id outside the cache): the
+ * torch path raises there, and a raw read or write past the buffers would corrupt memory. */
 static inline __attribute__((always_inline)) void attend(
         const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
         const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out, int64_t batch,
@@ -112,18 +115,27 @@ static inline __attribute__((always_inline)) void attend(
             }
             for (int64_t g = 0; g < group; ++g) {
                 uint16_t *dst = out + (b * num_heads + kvh * group + g) * head_dim;
-                const float inv = 1.0f / sums[g];
+                const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;   /* no keys: zeros, as torch's */
                 for (int64_t d = 0; d < head_dim; ++d) dst[d] = narrow(acc[g][d] * inv);
             }
         }
     }
 }
 
-void decode_attention(const uint16_t *q, int64_t q_stride, uint16_t *k_cache, uint16_t *v_cache,
-                      const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out,
-                      int64_t batch, int64_t num_heads, int64_t num_kv, int64_t head_dim, int64_t block_size,
-                      float scale, float *scratch, const uint16_t *k_new, int64_t k_stride, const uint16_t *v_new,
-                      int64_t v_stride, const int64_t *slots) {
+int decode_attention(const uint16_t *q, int64_t q_stride, uint16_t *k_cache, uint16_t *v_cache, int64_t num_blocks,
+                     const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t max_seq_len,
+                     uint16_t *out, int64_t batch, int64_t num_heads, int64_t num_kv, int64_t head_dim,
+                     int64_t block_size, float scale, float *scratch, const uint16_t *k_new, int64_t k_stride,
+                     const uint16_t *v_new, int64_t v_stride, const int64_t *slots) {
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t length = seq_lens[b];
+        if (length < 0 || length > max_seq_len || length > max_blocks * block_size) return -1;
+        for (int64_t i = 0; i * block_size < length; ++i) {
+            const int32_t block = block_tables[b * max_blocks + i];
+            if (block < 0 || block >= num_blocks) return -1;
+        }
+        if (slots && slots[b] >= num_blocks * block_size) return -1;
+    }
     if (slots) {
         const size_t bytes = (size_t)(num_kv * head_dim) * sizeof(uint16_t);
         for (int64_t b = 0; b < batch; ++b) {
@@ -142,4 +154,5 @@ void decode_attention(const uint16_t *q, int64_t q_stride, uint16_t *k_cache, ui
     else
         attend(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, num_heads, num_kv,
                head_dim, block_size, scale, scratch);
+    return 0;
 }

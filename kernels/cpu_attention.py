@@ -8,9 +8,10 @@ and the same float32 math (scores, softmax and weighted sum in float32, one roun
 the torch paths are its references (``tests/kernels/test_cpu_attention.py``).
 
 The source is compiled once per host by its C compiler (``$CC``, else ``cc``; ``-O3
--march=native``) into ``$SHARDSERVE_CACHE/cpu_kernels``, keyed by the source, the flags and the
-CPU's feature flags, and loaded with ctypes. Where no compiler works (or ``SHARDSERVE_KERNELS=torch``)
-:func:`available` is False and callers keep the torch paths; the first failure is logged once.
+-march=native``) into ``$SHARDSERVE_CACHE/cpu_kernels``, keyed by the source, the flags, the
+compiler's version and the CPU's feature flags, and loaded with ctypes (a damaged file is built
+again). Where no compiler works :func:`available` is False, callers keep the torch paths and the
+failure is logged once; ``SHARDSERVE_KERNELS`` set (``torch``) keeps them too, silently.
 """
 
 from __future__ import annotations
@@ -56,26 +57,42 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _target() -> tuple[str, Path]:
+    """The compiler and the library file it builds here: named by the source, the flags, the
+    compiler's version and the CPU's feature flags.
+
+    Raises:
+        OSError, subprocess.CalledProcessError: the compiler does not run.
+    """
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), version,
+                                     _cpu_flags().encode()]))
+    return compiler, _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
 def _build() -> ctypes.CDLL:
     """Compile (or find) and load the shared library.
 
     Raises:
         OSError, subprocess.CalledProcessError: no working C compiler, or loading failed.
     """
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode()]))
-    target = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
+    compiler, target = _target()
+    try:
+        lib = ctypes.CDLL(str(target)) if target.exists() else None
+    except OSError:   # a damaged file (a full disk, a copied cache): built again below
+        lib = None
+    if lib is None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(built, target)   # atomic: another process may build the same file at once
-    lib = ctypes.CDLL(str(target))
-    lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I, _P, _I, _P]
-    lib.decode_attention.restype = None
+        lib = ctypes.CDLL(str(target))
+    lib.decode_attention.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I, _P, _I,
+                                     _P]
+    lib.decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -125,11 +142,17 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     Returns:
         ``[B, H, D]`` bf16, or None (nothing stored) where the torch path must run: other dtypes or
-        layouts, ``H / Hkv > 8``, ``D > 256``, more than :data:`MAX_DECODE_KEYS` keys in all, no compiler.
+        layouts, ``H`` not a multiple of ``Hkv`` or ``H / Hkv > 8``, ``D > 256``, more than
+        :data:`MAX_DECODE_KEYS` keys in all, no compiler. A sequence of no keys attends to nothing (zeros).
+
+    Raises:
+        IndexError: a slot, block id or sequence length outside the cache or the block table
+            (nothing written; the torch path raises there too).
     """
     batch, num_heads, head_dim = query.shape
     num_kv = k_cache.shape[2]
-    if not (batch * max_seq_len <= MAX_DECODE_KEYS and _rows_ok(query) and num_heads // num_kv <= MAX_GROUP
+    if not (batch * max_seq_len <= MAX_DECODE_KEYS and _rows_ok(query) and num_heads % num_kv == 0
+            and num_heads // num_kv <= MAX_GROUP
             and head_dim <= MAX_HEAD_DIM and k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
             and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int32
             and block_tables.is_contiguous() and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
@@ -143,7 +166,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr())
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
     scratch = torch.empty((num_heads // num_kv) * max_seq_len, dtype=torch.float32)
-    _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-                          batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale, scratch.data_ptr(), *stored)
+    if _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+                             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), max_seq_len,
+                             out.data_ptr(), batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale,
+                             scratch.data_ptr(), *stored):
+        raise IndexError("decode attention: a slot, block id or sequence length is outside the cache or the block "
+                         f"table (max_seq_len {max_seq_len}, {k_cache.shape[0]} blocks of {k_cache.shape[1]})")
     return out

@@ -112,3 +112,38 @@ def test_no_compiler_leaves_the_torch_path_with_one_warning(monkeypatch, tmp_pat
     out = paged_attention(query, k_cache, k_cache.clone(), block_tables.to(torch.int32), torch.tensor([3]),
                           torch.tensor([0, 1]), 0.25, 1, 3)
     assert out.shape == (1, 2, 16)
+
+
+def test_edge_inputs_match_the_torch_path_or_fail_as_it_does():
+    """A sequence of no keys attends to nothing (zeros, not 0/0); heads that do not split evenly
+    over the KV heads are left to the torch path; a slot or block id outside the cache raises
+    before anything is written (a raw write there would corrupt memory)."""
+    block_tables, num_blocks = make_block_tables([5, 5], 16)
+    tables = block_tables.to(torch.int32)
+    k_cache = torch.randn(num_blocks, 16, 2, 32, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    query = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    out = cpu_attention.decode_attention(query, k_cache, v_cache, tables, torch.tensor([0, 5]), 0.2, 5)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    uneven = torch.randn(1, 10, 32, dtype=torch.bfloat16)
+    k4 = torch.randn(num_blocks, 16, 4, 32, dtype=torch.bfloat16)
+    assert cpu_attention.decode_attention(uneven, k4, k4.clone(), tables[:1], torch.tensor([5]), 0.2, 5) is None
+    before = k_cache.clone()
+    key = torch.randn(2, 2, 32, dtype=torch.bfloat16)
+    for slots, lens, table in ((torch.tensor([4, num_blocks * 16]), [5, 5], tables),      # a slot past the cache
+                               (torch.tensor([4, 20]), [5, 5], tables.clone().fill_(num_blocks)),  # a block id
+                               (torch.tensor([4, 20]), [5, 40], tables)):            # longer than its table
+        with pytest.raises(IndexError, match="outside the cache"):
+            cpu_attention.decode_attention(query, k_cache, v_cache, table, torch.tensor(lens), 0.2, max(lens),
+                                           key, key, slots)
+    assert torch.equal(k_cache, before)
+
+
+def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_failed", False)
+    _, built = cpu_attention._target()
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"")                                              # e.g. a full disk, a copied cache
+    assert cpu_attention.available() and built.stat().st_size > 0
