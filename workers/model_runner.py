@@ -350,7 +350,7 @@ class ModelRunner:
                     "tokens", get_tp_group().tp_rank, self.device, str(self.dtype).removeprefix("torch."),
                     self.weight_bytes / 2**20, self.plan.activation_bytes / 2**20, self.cache_bytes / 2**20,
                     num_blocks, self.block_size)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             cpu_attention.available()   # builds the C decode attention now (first start: ~1 s), not in a request
         self.compile_forward()
         self.capture_graphs()
