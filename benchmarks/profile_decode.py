@@ -12,6 +12,8 @@ Run with ``make bench``; not a test.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
@@ -87,9 +89,6 @@ def main() -> None:
 def attention_ab(llm, rounds: int, steps: int) -> None:
     """Batch-1 decode ms per step with the C decode attention and with the torch ops, ``rounds``
     pairs interleaved on one engine (separate processes differed by more than the effect)."""
-    import os
-    import statistics
-
     from shardserve.cluster.engine.request import SamplingParams
 
     times: dict[str, list[float]] = {"C kernel": [], "torch ops": []}

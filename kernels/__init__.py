@@ -21,6 +21,6 @@ from shardserve.kernels.fp8_linear import fp8_block_linear
 from shardserve.kernels.gated_delta import gated_delta_chunk, gated_delta_recurrent
 from shardserve.kernels.causal_conv1d import causal_conv1d
 
-__all__ = ["use_triton", "rms_norm", "paged_attention", "store_kv", "store_kv_and_attend", "store_cache", "apply_rotary", "silu_and_mul",
-           "mla_attention", "indexer_scores", "indexer_topk", "select_topk", "fused_moe", "hadamard_transform",
+__all__ = ["use_triton", "rms_norm", "paged_attention", "store_kv", "store_kv_and_attend", "store_cache", "apply_rotary",
+           "silu_and_mul", "mla_attention", "indexer_scores", "indexer_topk", "select_topk", "fused_moe", "hadamard_transform",
            "fp8_block_linear", "gated_delta_chunk", "gated_delta_recurrent", "causal_conv1d"]

@@ -14,6 +14,8 @@
 #include <string.h>
 
 #define LANES 16
+#define MAX_GROUP 8        /* query heads per KV head; kernels/cpu_attention.py checks both limits */
+#define MAX_HEAD_DIM 256
 
 static inline float widen(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -45,29 +47,28 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* One query token per sequence over its paged K/V.
- * q [B, H, D] (token stride q_stride, heads contiguous), caches [num_blocks, block_size, Hkv, D],
- * block_tables [B, max_blocks] int32, seq_lens [B] int64 (keys per sequence, this step's included),
- * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G.
- * With slots (else NULL), this step's K/V rows k_new, v_new [B, Hkv, D] (token strides k_stride,
- * v_stride) are first stored at cache slots[b] (negative: skipped), as store_kv_ref does.
- * Returns 0, or -1 without touching anything when an index is out of range (a slot past the cache,
- * a sequence longer than max_seq_len or than its block table, a block id outside the cache): the
- * torch path raises there, and a raw read or write past the buffers would corrupt memory. */
+/* The rows of block start / block_size of one sequence (its block table `table`) for KV head kvh: row
+ * i of the block is at the result + i * num_kv * head_dim. */
+static inline const uint16_t *block_rows(const uint16_t *cache, const int32_t *table, int64_t start,
+                                         int64_t block_size, int64_t num_kv, int64_t kvh, int64_t head_dim) {
+    return cache + ((int64_t)table[start / block_size] * block_size * num_kv + kvh) * head_dim;
+}
+
+/* attention of decode_attention (below), head_dim a constant where the caller passes one */
 static inline __attribute__((always_inline)) void attend(
         const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
         const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, uint16_t *out, int64_t batch,
         int64_t num_heads, int64_t num_kv, const int64_t head_dim, int64_t block_size, float scale, float *scratch) {
     const int64_t group = num_heads / num_kv;
     const int64_t row = num_kv * head_dim;               /* elements between two positions of a block */
-    float qf[8][256];                                    /* a KV head's query heads, widened and scaled */
-    float acc[8][256];
-    float kf[256];
+    float qf[MAX_GROUP][MAX_HEAD_DIM];                   /* a KV head's query heads, widened and scaled */
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float kf[MAX_HEAD_DIM];
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t length = seq_lens[b];
         const int32_t *table = block_tables + b * max_blocks;
         for (int64_t kvh = 0; kvh < num_kv; ++kvh) {
-            float maxes[8], sums[8];
+            float maxes[MAX_GROUP], sums[MAX_GROUP];
             for (int64_t g = 0; g < group; ++g) {
                 const uint16_t *src = q + b * q_stride + (kvh * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; ++d) qf[g][d] = widen(src[d]) * scale;
@@ -76,7 +77,7 @@ static inline __attribute__((always_inline)) void attend(
             }
             /* scores: one pass over the keys, block by block, for all G query heads */
             for (int64_t start = 0; start < length; start += block_size) {
-                const uint16_t *keys = k_cache + (int64_t)table[start / block_size] * block_size * row + kvh * head_dim;
+                const uint16_t *keys = block_rows(k_cache, table, start, block_size, num_kv, kvh, head_dim);
                 const int64_t count = length - start < block_size ? length - start : block_size;
                 for (int64_t i = 0; i < count; ++i) {
                     const uint16_t *key = keys + i * row;
@@ -102,7 +103,7 @@ static inline __attribute__((always_inline)) void attend(
             }
             /* weighted sum of the values, block by block */
             for (int64_t start = 0; start < length; start += block_size) {
-                const uint16_t *values = v_cache + (int64_t)table[start / block_size] * block_size * row + kvh * head_dim;
+                const uint16_t *values = block_rows(v_cache, table, start, block_size, num_kv, kvh, head_dim);
                 const int64_t count = length - start < block_size ? length - start : block_size;
                 for (int64_t i = 0; i < count; ++i) {
                     const uint16_t *value = values + i * row;
@@ -122,6 +123,15 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* One query token per sequence over its paged K/V.
+ * q [B, H, D] (token stride q_stride, heads contiguous), caches [num_blocks, block_size, Hkv, D],
+ * block_tables [B, max_blocks] int32, seq_lens [B] int64 (keys per sequence, this step's included),
+ * out [B, H, D] contiguous, scratch >= G * max(seq_lens) floats. Query head h reads KV head h / G.
+ * With slots (else NULL), this step's K/V rows k_new, v_new [B, Hkv, D] (token strides k_stride,
+ * v_stride) are first stored at cache slots[b] (negative: skipped), as store_kv_ref does.
+ * Returns 0, or -1 without touching anything when an index is out of range (a slot past the cache,
+ * a sequence longer than max_seq_len or than its block table, a block id outside the cache): the
+ * torch path raises there, and a raw read or write past the buffers would corrupt memory. */
 int decode_attention(const uint16_t *q, int64_t q_stride, uint16_t *k_cache, uint16_t *v_cache, int64_t num_blocks,
                      const int32_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t max_seq_len,
                      uint16_t *out, int64_t batch, int64_t num_heads, int64_t num_kv, int64_t head_dim,
