@@ -63,6 +63,9 @@ class QueueFull(RuntimeError):
     """Admission control: ``max_queued_requests`` requests already wait on this replica."""
 
 
+_DEADLINE = object()   # put in a request's output queue when its deadline passes
+
+
 class DeadlineExceeded(TimeoutError):
     """The request passed its deadline; it was aborted and its blocks freed."""
 
@@ -532,16 +535,13 @@ class Coordinator:
             self._group_of[rid] = group
             self._group_calls[group] += 1
         self._wakeup.set()
-        loop = asyncio.get_running_loop()
+        # One timer for the whole request (not a wait_for per token: a task and a timer handle each).
+        timer = None if deadline is None else asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE)
         try:
             while True:
-                if deadline is None:
-                    out = await queue.get()
-                else:
-                    try:
-                        out = await asyncio.wait_for(queue.get(), deadline - loop.time())
-                    except TimeoutError:
-                        raise DeadlineExceeded("the request passed its deadline and was aborted") from None
+                out = await queue.get()
+                if out is _DEADLINE:
+                    raise DeadlineExceeded("the request passed its deadline and was aborted")
                 if out.finish_reason == "error":
                     raise ReplicaUnavailable(out.error)
                 if out.finish_reason == "abort" and out.error:
@@ -550,6 +550,8 @@ class Coordinator:
                 if out.finished:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._queues.pop(rid, None)
             self.core.abort(rid)  # no-op when it finished normally
             if self._group_of.pop(rid, None) is not None:
