@@ -250,8 +250,8 @@ class RouterCore:
 
     async def _still_ready(self, replica) -> bool:
         """Ask a ready replica over its gRPC channel whether it still is (``ModelInfo``: healthy, not
-        repairing itself) and refresh its info; False when it is not or does not answer, and the
-        status call through Serve then says what it is. NOTE: a status call through Serve costs
+        repairing itself, not draining) and refresh its info; False when it is not or does not
+        answer, and the status call through Serve then says what it is. NOTE: a status call through Serve costs
         ~3 ms of CPU here and ~2 ms in the replica (Serve's request path on both sides), a gRPC call a
         fraction of that, and the router asks every ``poll_s`` (0.5 s): on few cores that CPU comes
         out of the ranks' step time (``benchmarks/cpu_per_token.py``)."""
@@ -261,7 +261,8 @@ class RouterCore:
             msg = await replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=2, metadata=replica.metadata)
         except grpc.aio.AioRpcError:
             return False
-        if not msg.healthy or msg.recovering or self.pool.get(replica.key) is not replica or replica.state != READY:
+        if (not msg.healthy or msg.recovering or msg.draining or self.pool.get(replica.key) is not replica
+                or replica.state != READY):
             return False
         replica.info = {**replica.info, **{f.name: list(value) if f.is_repeated else value
                                            for f in msg.DESCRIPTOR.fields if f.message_type is None
