@@ -9,7 +9,10 @@ streaming completions of ``--max-tokens`` tokens one after the other (``--concur
 clients at once, where batching across requests shows), and prints, per process of
 the server's tree (Ray actors by name), the user + system CPU it used divided by the tokens
 generated (ms/token; from ``/proc/PID/stat``), beside the wall time per token. Background work
-(Ray's GCS, dashboard, Serve controller) is included: it is CPU the ranks do not get.
+(Ray's GCS, dashboard, Serve controller) is included: it is CPU the ranks do not get. Beside each
+figure, in parentheses: what the process burns with no request at all (measured for ``--idle-s``
+seconds before the load), at that rate over the load's wall time per token: the part that does not
+grow with the tokens.
 Numbers are printed, never asserted; on a shared machine they are noisy.
 """
 
@@ -48,22 +51,36 @@ def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     return {pid: got for pid in [root, *bs.descendants(root)] if (got := cpu_seconds(pid))}
 
 
-def measure(server: bs.Server, num_requests: int, max_tokens: int, concurrency: int = 1) -> None:
+def cpu_used(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each process name used between two :func:`tree_cpu` snapshots."""
+    used: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        used[name] = used.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    return used
+
+
+def measure(server: bs.Server, num_requests: int, max_tokens: int, concurrency: int = 1, idle_s: float = 10.0) -> None:
     asyncio.run(bs.run_load(server.base_url, server.name, 1, 2, max_tokens))   # warm-up
+    before = tree_cpu(server.proc.pid)
+    time.sleep(idle_s)   # what the same processes burn with no request at all (their own loops)
+    idle = cpu_used(before, tree_cpu(server.proc.pid))
     before, start = tree_cpu(server.proc.pid), time.monotonic()
     result = asyncio.run(bs.run_load(server.base_url, server.name, concurrency, num_requests, max_tokens,
                                      prompts=bs.distinct_prompts(num_requests, first=2)))   # not the warm-up's
     after, wall = tree_cpu(server.proc.pid), time.monotonic() - start
     tokens = max(1, result.output_tokens)
-    used: dict[str, float] = {}
-    for pid, (name, seconds) in after.items():
-        used[name] = used.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    used = cpu_used(before, after)
+    # idle: the process's idle CPU rate over the load's wall time, per token (background that does
+    # not grow with tokens); the rest came with the requests
+    idle_per_token = {name: 1000 * idle.get(name, 0.0) / idle_s * wall / tokens for name in used}
     print(f"\n{server.name}, {concurrency} client(s): {tokens} tokens, wall {1000 * wall / tokens:.2f} ms/token, "
           f"TPOT p50 {1000 * bs.percentile(result.tpot_s, 50):.2f} ms, "
-          f"CPU {1000 * sum(used.values()) / tokens:.2f} ms/token in all")
+          f"CPU {1000 * sum(used.values()) / tokens:.2f} ms/token in all "
+          f"(of which {sum(idle_per_token.values()):.2f} at the idle rate of {idle_s:g} s before)")
+    print("  ms/token  (at idle rate)  process")
     for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
         if seconds * 1000 / tokens >= 0.05:
-            print(f"  {1000 * seconds / tokens:7.2f} ms/token  {name}")
+            print(f"  {1000 * seconds / tokens:8.2f}  ({idle_per_token[name]:5.2f})        {name}")
 
 
 def main() -> None:
@@ -73,6 +90,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="clients sending at once (default 1)")
     parser.add_argument("--compile", default="auto", choices=["off", "auto", "on"], help="`shardserve serve --compile`")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured before the load")
     parser.add_argument("--servers", default="tp1,tp2,llama", help="subset of tp1,tp2,llama")
     parser.add_argument("--shardserve-args", default="", help="extra `shardserve serve` flags")
     parser.add_argument("--dispatch", default="calls,calls", help="`--dispatch` of TP=1 and of TP=2")
@@ -100,7 +118,7 @@ def main() -> None:
 def _run(server: bs.Server, args) -> None:
     try:
         server.wait_ready(900)
-        measure(server, args.num_requests, args.max_tokens, args.concurrency)
+        measure(server, args.num_requests, args.max_tokens, args.concurrency, args.idle_s)
     finally:
         server.stop()
 
