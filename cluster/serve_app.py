@@ -447,10 +447,11 @@ class ModelReplica:
         return READY if coordinator.healthy else RECOVERING if coordinator.recovering else FAILED
 
     async def status(self, target: str | None = None) -> dict:
-        """``{"state": ready|recovering|failed, "address", "error", "info", "token"}`` (info: ModelInfo
-        dict; token: the internal token the router authenticates with). ``target``: the replica the
-        caller meant (:class:`cluster.frontend.replica_directory.ReplicaDirectoryRouter` routes the
-        call there).
+        """``{"state": ready|recovering|failed, "address", "error", "info", "token", "local_address"}``
+        (info: ModelInfo dict; token: the internal token the router authenticates with;
+        local_address: the local link's socket, for a router on this machine). ``target``: the
+        replica the caller meant (:class:`cluster.frontend.replica_directory.ReplicaDirectoryRouter`
+        routes the call there).
 
         Raises:
             RuntimeError: the call reached another replica than ``target``.
@@ -460,7 +461,8 @@ class ModelReplica:
         # NOTE: "token" is this replica's internal credential: the router's only way in. Status
         # goes over Ray to the router (and the CLI that started the app), never to a client.
         return {"state": self._state(), "address": self.address, "error": coordinator.failed or coordinator.error,
-                "info": coordinator.model_info(), "token": coordinator.internal_token, "replica_id": self.replica_id}
+                "info": coordinator.model_info(), "token": coordinator.internal_token, "replica_id": self.replica_id,
+                "local_address": coordinator.local_address}
 
     def _check_target(self, target: str | None) -> None:
         if target is not None and target != self.replica_id:

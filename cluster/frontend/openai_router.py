@@ -281,12 +281,13 @@ class RouterCore:
             ready = self.pool.replicas and len(self.pool.ready()) == len(self.pool.replicas)
             await asyncio.sleep(self.poll_s if ready else 0.25)
 
-    def _link(self, stub, metadata: tuple) -> ReplicaLink:
-        """The streaming link over ``stub``'s channel with the replica's credential ``metadata`` (one
-        per replica channel, opened on first use; a new one if the replica's token changed)."""
+    def _link(self, stub, metadata: tuple, local_path: str | None = None) -> ReplicaLink:
+        """The streaming link over ``stub``'s channel (over the replica's local socket ``local_path``
+        when it is on this machine) with the replica's credential ``metadata`` (one per replica
+        channel, opened on first use; a new one if the replica's token or socket changed)."""
         link = self._links.get(stub)
-        if link is None or link.metadata != metadata:
-            link = self._links[stub] = ReplicaLink(stub, metadata)
+        if link is None or link.metadata != metadata or link.local_path != local_path:
+            link = self._links[stub] = ReplicaLink(stub, metadata, local_path)
         return link
 
     async def close(self) -> None:
@@ -611,7 +612,7 @@ class RouterCore:
                 lease.release()
                 raise timed_out(self._timeout_message())
             # the lease keeps the channel (and its credential) even if the replica moves
-            link = self._link(lease.stub, lease.metadata)
+            link = self._link(lease.stub, lease.metadata, lease.local_path)
             outputs = outputs or [None] * (len(prompt_ids) * n)
             calls: list = []
             try:   # NOTE: every call is built in here: whatever fails, the lease is paid back

@@ -15,7 +15,8 @@ handling is the same for both. A request's deadline is kept on both sides: the r
 When the call itself fails (the replica died or moved), every open request fails with its status
 and the next request opens a new call. A replica without ``GenerateStream`` (an older version during
 a rolling upgrade) answers UNIMPLEMENTED: its requests, those already sent included, then go over
-one ``Generate`` call each.
+one ``Generate`` call each. A replica on this machine is reached over its local socket instead
+(``cluster/replica/local_link.py``: the same messages, a fraction of gRPC's CPU per message).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import deque
 
 import grpc
 
+from shardserve.cluster.replica.local_link import LocalStreamCall
 from shardserve.proto import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -123,11 +125,13 @@ class ReplicaLink:
     Args:
         stub: the replica's ``InferenceStub``.
         metadata: call metadata (the API key).
+        local_path: the replica's local socket when it runs on this machine: the call goes there
+            (``cluster/replica/local_link.py``, the same messages without HTTP/2) instead of ``stub``.
     """
 
-    def __init__(self, stub, metadata: tuple = ()) -> None:
+    def __init__(self, stub, metadata: tuple = (), local_path: str | None = None) -> None:
         self._stub = weakref.ref(stub)   # the router keys its links by stub: no cycle keeping it alive
-        self.metadata = metadata
+        self.metadata, self.local_path = metadata, local_path
         self.calls: dict[str, LinkCall] = {}
         self._outgoing: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
@@ -165,7 +169,10 @@ class ReplicaLink:
             while True:
                 yield await queue.get()
 
-        call = self._stub().GenerateStream(requests(), metadata=self.metadata)
+        if self.local_path is not None:
+            call = LocalStreamCall(self.local_path, dict(self.metadata).get("authorization", ""), requests())
+        else:
+            call = self._stub().GenerateStream(requests(), metadata=self.metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read(call, queue))
 
     async def _read(self, call, queue: asyncio.Queue) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class Replica:
     channel: object = None         # grpc.aio channel to ``address``
     stub: object = None            # InferenceStub on ``channel``
     token: str | None = field(default=None, repr=False)   # the replica's internal token (secret)
+    local_path: str | None = None  # its local link's socket when it is on this machine (else gRPC)
 
     @property
     def metadata(self) -> tuple:
@@ -86,6 +88,7 @@ class Lease:
         self.decision = decision
         self.channel, self.stub = replica.channel, replica.stub   # kept even if the replica moves
         self.metadata = replica.metadata                           # likewise its credential
+        self.local_path = replica.local_path                       # and its local link
         replica.outstanding_tokens += prompt_tokens + output_tokens
         replica.outstanding_requests += 1
         self._pool = pool
@@ -187,6 +190,10 @@ class ReplicaPool:
             if address and self._connect is not None:
                 replica.channel, replica.stub = self._connect(address)
                 logger.info("replica %s serves gRPC on %s", key, address)
+        local = status.get("local_address")
+        # The socket's directory is a fresh random name on the replica's machine: seen here, it is
+        # this machine (the same Kubernetes pod, or a plain host), and the link skips HTTP/2.
+        replica.local_path = local if local and os.path.exists(local) else None
         replica.state = status.get("state", LOADING)
         replica.error = status.get("error")
         if status.get("token"):

@@ -660,6 +660,12 @@ class Coordinator:
             self._grpc = await start_grpc_server(self, host, port, self.front)
         return f"{self._node_ip if host in ('0.0.0.0', '::', '') else host}:{self._grpc.port}"
 
+    @property
+    def local_address(self) -> str | None:
+        """Socket path of the local link (``GenerateStream`` for routers on this machine,
+        ``cluster/replica/local_link.py``); None before :meth:`start_grpc`."""
+        return self._grpc.local_address if self._grpc is not None else None
+
     async def drain(self, timeout_s: float) -> int:
         """Stop taking requests (new ones get UNAVAILABLE, gRPC health turns NOT_SERVING, so
         routers send them elsewhere) and wait until the running ones finish, at most ``timeout_s``.

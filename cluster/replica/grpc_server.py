@@ -391,10 +391,17 @@ class StreamLink:
 
 
 class GrpcServer:
-    """A started grpc.aio server and its health servicer."""
+    """A started grpc.aio server and its health servicer; a replica's also serves ``GenerateStream``
+    to routers on this machine over a Unix socket (:attr:`local`, ``cluster/replica/local_link.py``)."""
 
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.HealthServicer) -> None:
         self.server, self.port, self.health = server, port, health_servicer
+        self.local = None   # LocalLinkServer of a replica's server
+
+    @property
+    def local_address(self) -> str | None:
+        """The local link's socket path (None: no local link)."""
+        return self.local.path if self.local is not None else None
 
     def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for the server and the Inference service."""
@@ -403,6 +410,8 @@ class GrpcServer:
             self.health.set(name, status)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.local is not None:
+            await self.local.stop()
         await self.server.stop(grace_s)
 
 
@@ -425,14 +434,21 @@ def server_options(limits: Limits, reuse_port: bool = False) -> list[tuple[str, 
 
 async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfig | None = None) -> GrpcServer:
     """Serve ``coordinator`` on ``host:port`` (0 = any free port) under ``front``'s rules (roles,
-    limits, TLS, request timeout). The caller refuses a non-loopback ``host`` without a key
-    (:func:`cluster.frontend.security.refuse_exposed`) before the model loads.
+    limits, TLS, request timeout), and its ``GenerateStream`` on a local socket too. The caller
+    refuses a non-loopback ``host`` without a key (:func:`cluster.frontend.security.refuse_exposed`)
+    before the model loads.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
+    from shardserve.cluster.replica.local_link import LocalLinkServer
+
     front = front or FrontConfig()
-    return await serve_inference(InferenceServicer(coordinator, front), host, port, front)
+    servicer = InferenceServicer(coordinator, front)
+    server = await serve_inference(servicer, host, port, front)
+    server.local = LocalLinkServer(servicer)
+    await server.local.start()
+    return server
 
 
 async def serve_inference(servicer: pb_grpc.InferenceServicer, host: str, port: int, front: FrontConfig,

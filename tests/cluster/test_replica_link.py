@@ -1,6 +1,7 @@
 """The router's streaming link to a replica (``GenerateStream``), without Ray or a model: the real
 gRPC servicer of a coordinator over a stand-in engine that hands every request one token per
-step, all at once, as the engine loop does. Fast."""
+step, all at once, as the engine loop does; over gRPC and over the local socket a router on the
+replica's machine uses (``cluster/replica/local_link.py``). Fast."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class StepEngine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.aborted: list[str] = []
         self.seen: dict[str, tuple] = {}   # request id -> (SamplingParams, cache_seed, group) as received
+        self.local_address = None          # the server's local link socket (set by run())
 
     def encode(self, text=None, chat=None) -> list[int]:
         return [1, 2]
@@ -80,6 +82,7 @@ def run(scenario, front: FrontConfig | None = None):
     async def main():
         engine = StepEngine()
         server = await start_grpc_server(engine, "127.0.0.1", 0, front)
+        engine.local_address = server.local_address
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
             return await scenario(engine, pb_grpc.InferenceStub(channel), server.port)
@@ -90,9 +93,13 @@ def run(scenario, front: FrontConfig | None = None):
     return asyncio.run(main())
 
 
-def test_a_step_for_many_requests_is_one_message_and_each_stream_is_whole():
+TRANSPORTS = pytest.mark.parametrize("local", [False, True], ids=["grpc", "local"])
+
+
+@TRANSPORTS
+def test_a_step_for_many_requests_is_one_message_and_each_stream_is_whole(local):
     async def scenario(engine, stub, port):
-        link = ReplicaLink(stub)
+        link = ReplicaLink(stub, (), engine.local_address if local else None)
         calls = [link.generate(request(f"r{i}")) for i in range(8)]
         await until(lambda: len(engine.queues) == 8)
         texts = {call.request_id: "" for call in calls}
@@ -109,9 +116,10 @@ def test_a_step_for_many_requests_is_one_message_and_each_stream_is_whole():
     assert batches == 3, f"3 steps of 8 requests arrive as 3 messages, not {batches}"
 
 
-def test_cancel_aborts_on_the_replica_and_errors_keep_their_status():
+@TRANSPORTS
+def test_cancel_aborts_on_the_replica_and_errors_keep_their_status(local):
     async def scenario(engine, stub, port):
-        link = ReplicaLink(stub)
+        link = ReplicaLink(stub, (), engine.local_address if local else None)
         left = link.generate(request("left"))
         refused = link.generate(request("bad", max_tokens=99))
         late = link.generate(request("late"), timeout=0.2)
@@ -183,7 +191,8 @@ def test_a_request_fails_when_the_replica_goes_away():
     assert run(scenario) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generate():
+@TRANSPORTS
+def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generate(local):
     """Sampling controls, structured outputs, cache salt, tenant and group reach the engine the same
     over the link as over Generate, for the router's token (tenant and group kept) and for a client
     key (its own tenant; the request's tenant and group ignored); no key: UNAUTHENTICATED."""
@@ -202,7 +211,7 @@ def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generat
         for who, key in (("router", "router-token"), ("client", "client-key")):
             metadata = (("authorization", f"Bearer {key}"),)
             call = stub.Generate(rich(f"{who}-unary"), metadata=metadata)
-            link = ReplicaLink(stub, metadata)
+            link = ReplicaLink(stub, metadata, engine.local_address if local else None)
             linked = link.generate(rich(f"{who}-link"))
             await until(lambda: {f"{who}-unary", f"{who}-link"} <= set(engine.queues))
             for _ in range(3):
@@ -210,7 +219,7 @@ def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generat
             assert [r.text async for r in call] == ["t1 ", "t2 ", "t3 "]
             assert [(await linked.read()).text for _ in range(3)] == ["t1 ", "t2 ", "t3 "]
             link.close()
-        anonymous = ReplicaLink(stub)
+        anonymous = ReplicaLink(stub, (), engine.local_address if local else None)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await anonymous.generate(rich("nobody")).read()
         return engine.seen, refused.value.code()
@@ -224,15 +233,19 @@ def test_every_request_field_and_the_callers_role_cross_the_link_as_over_generat
         assert value in params, value
     assert (seed, group) == (cache_seed("tenant-a", "salt"), "group-1")
     assert seen["client-link"][1] not in (0, seed) and seen["client-link"][2] is None
-    assert "nobody" not in seen and refused == grpc.StatusCode.UNAUTHENTICATED
+    # the local link closes a refused caller's connection (UNAVAILABLE): it is the router's alone
+    assert "nobody" not in seen and refused == (grpc.StatusCode.UNAVAILABLE if local else
+                                                grpc.StatusCode.UNAUTHENTICATED)
 
 
+@TRANSPORTS
 @pytest.mark.parametrize("stream", [False, True])
-def test_router_answers_over_the_link_and_queue_full_is_429(stream):
+def test_router_answers_over_the_link_and_queue_full_is_429(stream, local):
     async def scenario(engine, stub, port):
         async def fetch() -> dict:
             return {"state": "ready", "address": f"127.0.0.1:{port}", "error": None,
-                    "info": {"healthy": True, "max_model_len": 64}}
+                    "info": {"healthy": True, "max_model_len": 64},
+                    "local_address": engine.local_address if local else "/nonexistent/link.sock"}
 
         core = RouterCore("m", ["m"], [fetch], load_tokenizer=lambda: object(), poll_s=30)
         core.start()
@@ -258,10 +271,53 @@ def test_router_answers_over_the_link_and_queue_full_is_429(stream):
             engine.queue_limit = 0
             full = await core.generate("completion", body)
             stepper.cancel()
-            return texts, full.status_code
+            return texts, full.status_code, [link.local_path for link in core._links.values()]
         finally:
             await core.close()
 
-    texts, status = run(scenario)
+    texts, status, paths = run(scenario)
     assert texts == ["t1 t2 t3 "] * 4
     assert status == 429
+    assert paths and all((path is not None) == local for path in paths)   # a socket not on this machine: gRPC
+
+
+def test_closing_the_local_link_aborts_its_requests_and_a_bad_frame_closes_it():
+    """The router going away (its connection closed) aborts every request it started on the
+    replica, as cancelling the gRPC call does; a frame over the size limit ends the connection
+    without reaching the engine; a dead socket answers UNAVAILABLE."""
+    async def scenario(engine, stub, port):
+        from shardserve.cluster.replica.local_link import frame
+
+        link = ReplicaLink(stub, (), engine.local_address)
+        calls = [link.generate(request(rid)) for rid in ("a", "b")]
+        await until(lambda: {"a", "b"} <= set(engine.queues))
+        engine.step()
+        first = [(await call.read()).text for call in calls]
+        link.close()
+        await until(lambda: {"a", "b"} <= set(engine.aborted))
+        reader, writer = await asyncio.open_unix_connection(engine.local_address)
+        writer.write(frame(b"Bearer whatever") + (1 << 31).to_bytes(4, "little"))
+        closed = await asyncio.wait_for(reader.read(), 5)   # b"": the replica closed the connection
+        writer.close()
+        with pytest.raises(grpc.aio.AioRpcError) as dead:
+            await ReplicaLink(stub, (), "/nonexistent/link.sock").generate(request("x")).read()
+        return first, closed, dead.value.code(), len(engine.queues)
+
+    first, closed, dead, open_requests = run(scenario)
+    assert first == ["t1 ", "t1 "] and closed == b"" and open_requests == 0
+    assert dead == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_local_socket_is_private_and_removed_at_stop():
+    async def main():
+        import os
+        import stat
+
+        server = await start_grpc_server(StepEngine(), "127.0.0.1", 0)
+        path = server.local_address
+        mode = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+        await server.stop(None)
+        return mode, os.path.exists(os.path.dirname(path))
+
+    mode, left = asyncio.run(main())
+    assert mode == 0o700 and not left
