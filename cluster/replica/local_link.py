@@ -71,6 +71,7 @@ class LocalLinkServer:
         self.path: str | None = None
         self._dir: str | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()   # open connections (closed by stop())
 
     async def start(self) -> str:
         """Listen on a fresh socket; returns its path."""
@@ -82,6 +83,7 @@ class LocalLinkServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = None
+        self._writers.add(writer)
         try:
             authorization = await read_frame(reader, _MAX_AUTHORIZATION_BYTES)
             if authorization is None:   # closed before saying who it is
@@ -105,6 +107,7 @@ class LocalLinkServer:
         finally:
             if link is not None:
                 link.close()   # the router went away: abort what it started (frees their blocks)
+            self._writers.discard(writer)
             writer.close()
 
     async def _read(self, link, reader: asyncio.StreamReader) -> None:
@@ -125,11 +128,14 @@ class LocalLinkServer:
             link.half_closed = True
             link.ready.set()   # the writer sees the call is over
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop listening, close every connection (their requests are aborted) and remove the socket."""
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+            for writer in list(self._writers):
+                writer.close()
+            with contextlib.suppress(Exception):   # Python >= 3.12 waits for the connections' handlers too
+                await asyncio.wait_for(self._server.wait_closed(), timeout_s)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -321,3 +321,25 @@ def test_the_local_socket_is_private_and_removed_at_stop():
 
     mode, left = asyncio.run(main())
     assert mode == 0o700 and not left
+
+
+def test_stopping_the_replica_ends_the_local_link_and_its_requests():
+    """A replica stopping (shutdown, the end of a drain) closes the router's connection: the router's
+    requests end UNAVAILABLE and are aborted on the replica, and stop() does not wait on the router."""
+    async def main():
+        engine = StepEngine()
+        server = await start_grpc_server(engine, "127.0.0.1", 0)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        link = ReplicaLink(pb_grpc.InferenceStub(channel), (), server.local_address)
+        call = link.generate(request("r"))
+        await until(lambda: "r" in engine.queues)
+        await asyncio.wait_for(server.stop(None), 5)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(call.read(), 5)
+            await until(lambda: "r" in engine.aborted)
+            return ended.value.code()
+        finally:
+            await channel.close()
+
+    assert asyncio.run(main()) == grpc.StatusCode.UNAVAILABLE
