@@ -245,6 +245,20 @@ class StepClient:
             self._stale[rank] -= 1
         return None
 
+    def peer_closed(self) -> bool:
+        """Whether some rank's end is gone (its process died: the kernel closed its socket), without
+        waiting: one non-blocking peek per rank. Meant for a channel with nothing in flight (an
+        answer waiting to be read counts as alive)."""
+        for sock in self._socks:
+            try:
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return True
+            except BlockingIOError:
+                continue
+            except OSError:
+                return True
+        return False
+
     def close(self) -> None:
         for sock in self._socks:
             sock.close()

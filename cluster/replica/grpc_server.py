@@ -22,6 +22,7 @@ request's error is a ``StreamError`` with the status ``Generate`` would have end
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import grpc
@@ -37,6 +38,7 @@ from shardserve.cluster.replica.grpc_chat import chat_chars, chat_prompt, parsed
 from shardserve.proto import inference_pb2 as pb
 from shardserve.proto import inference_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)   # health checks need no key; everything else does
 GRPC_MAX_STREAMS_PER_CONNECTION = 1024
@@ -446,8 +448,13 @@ async def start_grpc_server(coordinator, host: str, port: int, front: FrontConfi
     front = front or FrontConfig()
     servicer = InferenceServicer(coordinator, front)
     server = await serve_inference(servicer, host, port, front)
-    server.local = LocalLinkServer(servicer)
-    await server.local.start()
+    local = LocalLinkServer(servicer)
+    try:
+        await local.start()
+        server.local = local
+    except OSError as exc:   # e.g. a $TMPDIR too long for a socket path (108 bytes): routers keep gRPC
+        logger.warning("no local link for routers on this machine (%s); they use gRPC", exc)
+        await local.stop()
     return server
 
 

@@ -605,9 +605,15 @@ class RemoteDrafter(_ChannelOwner):
         (its streams ran on; ``test_recovery_reload_v32`` expects them to fail and the replica to
         repair within 5 s, and failed once in a full run).
 
+        Over a step channel, the actor's process dying closes its socket: that shows at once (a
+        non-blocking peek), so a stream of a fast model cannot run to its end on a dead draft worker
+        before two pings have gone out.
+
         Raises:
             WorkerDiedError: the actor died or its status call failed.
         """
+        if self._channel is not None and self._channel.peer_closed():
+            raise WorkerDiedError("draft worker failed: its step channel closed (did it die?)")
         now = time.monotonic()
         if now < self._next_ping:
             return

@@ -343,3 +343,21 @@ def test_stopping_the_replica_ends_the_local_link_and_its_requests():
             await channel.close()
 
     assert asyncio.run(main()) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_socket_path_too_long_leaves_the_replica_on_grpc(tmp_path, monkeypatch):
+    """A Unix socket path holds at most 108 bytes: under a deep temporary folder the replica starts
+    without a local link (routers keep gRPC) instead of failing to start."""
+    import tempfile
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+
+    async def main():
+        server = await start_grpc_server(StepEngine(), "127.0.0.1", 0)
+        address = server.local_address
+        await server.stop(None)
+        return address, list(deep.iterdir())
+
+    assert asyncio.run(main()) == (None, [])

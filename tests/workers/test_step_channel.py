@@ -112,3 +112,23 @@ def test_a_channel_names_its_ends_in_errors():
             client.recv()
     finally:
         client.close()
+
+
+def test_a_dead_peer_shows_at_once_without_a_plan_in_flight():
+    """The draft worker is called only while the policy drafts: between passes, its death must show
+    without waiting for a Ray ping (``DraftGroup.check_alive``). An answer not read yet is alive."""
+    servers, client, _ = _pair(lambda plan: plan, lambda plan: plan)
+    try:
+        assert not client.peer_closed()
+        client.send("step")
+        time.sleep(0.2)                     # both answers buffered, unread
+        assert not client.peer_closed()
+        assert client.recv() == ["step", "step"]
+        servers[1].close()
+        deadline = time.monotonic() + 5
+        while not client.peer_closed():
+            assert time.monotonic() < deadline, "the closed end did not show"
+            time.sleep(0.01)
+    finally:
+        client.close()
+        servers[0].close()
