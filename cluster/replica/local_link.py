@@ -14,28 +14,38 @@ Protocol: frames of a 4-byte little-endian length and that many bytes. The clien
 its ``authorization`` value (``Bearer <token>``), checked as gRPC metadata is (a refused caller's
 connection is closed); then ``StreamRequest`` frames in and ``StreamResponse`` frames out. The
 socket lives in a fresh directory of mode 0700 (only this user can connect). The client closing
-the connection aborts every request it started (as cancelling the gRPC call does).
+the connection aborts every request it started (as cancelling the gRPC call does); so does
+half-closing it (over gRPC a half-closed call still gets its answers: the router never half-closes).
+A connection that has not sent its first frame within 10 s is closed. A replica killed before it
+could stop leaves its directory behind: the next one started as the same user removes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shardserve.cluster.replica.grpc_server import StreamLink
 from shardserve.proto import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
 _LENGTH_BYTES = 4
+_PREFIX = "shardserve-link-"
 _MAX_AUTHORIZATION_BYTES = 4096
 _MAX_RESPONSE_BYTES = 1 << 30
+_AUTH_TIMEOUT_S = 10.0      # a connection that does not say who it is by then is closed
+_STALE_AFTER_S = 60.0       # a link directory older than this whose socket refuses connections is left over
 
 
 def frame(payload: bytes) -> bytes:
@@ -62,6 +72,32 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
     return await reader.readexactly(size)
 
 
+def remove_stale_links(folder: str | None = None, stale_after_s: float = _STALE_AFTER_S) -> list[str]:
+    """Remove the link directories in ``folder`` (default: the temporary folder) that a replica
+    left behind when it died: older than ``stale_after_s`` and nothing listening on their socket
+    (a live replica's socket is bound within milliseconds of its directory's creation). Another
+    user's directories are not readable and stay. Returns the removed paths."""
+    removed = []
+    for path in glob.glob(os.path.join(folder or tempfile.gettempdir(), _PREFIX + "*")):
+        try:
+            if time.time() - os.stat(path).st_mtime < stale_after_s:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(os.path.join(path, "link.sock"))
+                continue   # somebody listens: a live replica
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            finally:
+                probe.close()
+        except OSError:   # not ours (permissions), gone meanwhile, or busy: leave it
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class LocalLinkServer:
     """The replica's end: serves ``GenerateStream`` of ``servicer`` (an ``InferenceServicer``) on a
     Unix socket; :attr:`path` is what the router connects to (None until :meth:`start`)."""
@@ -74,8 +110,10 @@ class LocalLinkServer:
         self._writers: set[asyncio.StreamWriter] = set()   # open connections (closed by stop())
 
     async def start(self) -> str:
-        """Listen on a fresh socket; returns its path."""
-        self._dir = tempfile.mkdtemp(prefix="shardserve-link-")   # mode 0700
+        """Listen on a fresh socket; returns its path. Directories left by replicas of this user
+        that died without stopping (SIGKILL, OOM) are removed first."""
+        await asyncio.to_thread(remove_stale_links)
+        self._dir = tempfile.mkdtemp(prefix=_PREFIX)   # mode 0700
         path = os.path.join(self._dir, "link.sock")
         self._server = await asyncio.start_unix_server(self._serve, path)
         self.path = path
@@ -85,7 +123,7 @@ class LocalLinkServer:
         link = None
         self._writers.add(writer)
         try:
-            authorization = await read_frame(reader, _MAX_AUTHORIZATION_BYTES)
+            authorization = await asyncio.wait_for(read_frame(reader, _MAX_AUTHORIZATION_BYTES), _AUTH_TIMEOUT_S)
             if authorization is None:   # closed before saying who it is
                 return
             caller = self.servicer.front.identify(authorization.decode(errors="replace") or None)
@@ -102,7 +140,7 @@ class LocalLinkServer:
                     await writer.drain()
             finally:
                 reading.cancel()
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, TimeoutError) as exc:
             logger.debug("local link closed: %s: %s", type(exc).__name__, exc)
         finally:
             if link is not None:
@@ -121,7 +159,7 @@ class LocalLinkServer:
 
         try:
             await link.read(requests())
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:   # DecodeError is one
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, DecodeError) as exc:
             logger.debug("local link: reading stopped: %s: %s", type(exc).__name__, exc)
         finally:
             link.close()
@@ -172,11 +210,12 @@ class LocalStreamCall:
             while True:
                 try:
                     payload = await read_frame(reader, _MAX_RESPONSE_BYTES)
-                except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+                    if payload is None:
+                        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the replica closed the local link")
+                    batch = pb.StreamResponse.FromString(payload)
+                except (ConnectionError, asyncio.IncompleteReadError, ValueError, DecodeError) as exc:
                     raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the local link failed: {exc}") from None
-                if payload is None:
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the replica closed the local link")
-                yield pb.StreamResponse.FromString(payload)
+                yield batch
         finally:
             self.cancel()
 

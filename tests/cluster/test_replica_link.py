@@ -361,3 +361,49 @@ def test_a_socket_path_too_long_leaves_the_replica_on_grpc(tmp_path, monkeypatch
         return address, list(deep.iterdir())
 
     assert asyncio.run(main()) == (None, [])
+
+
+def test_the_local_link_closes_silent_or_garbled_connections_and_sweeps_dead_replicas_sockets(tmp_path, monkeypatch):
+    """A connection that never says who it is is closed after the auth timeout; a frame that is not
+    a protobuf closes its connection without a stray task error; a link directory a killed replica
+    left (nothing listening, older than a minute) is removed by the next replica, a live one is not."""
+    import os
+    import socket
+    import tempfile
+
+    import gc
+
+    from shardserve.cluster.replica import local_link
+
+    monkeypatch.setattr(local_link, "_AUTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / "shardserve-link-dead"
+    dead.mkdir()
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(dead / "link.sock"))
+    left.close()                            # a socket file nobody listens on: its replica was killed
+    os.utime(dead, (0, 0))
+
+    async def main():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        engine = StepEngine()
+        server = await start_grpc_server(engine, "127.0.0.1", 0)
+        live = os.path.dirname(server.local_address)
+        os.utime(live, (0, 0))              # old, but listening: kept
+        kept = local_link.remove_stale_links()
+        silent_reader, silent = await asyncio.open_unix_connection(server.local_address)
+        closed = await asyncio.wait_for(silent_reader.read(), 5)
+        reader, writer = await asyncio.open_unix_connection(server.local_address)
+        writer.write(local_link.frame(b"Bearer x") + local_link.frame(b"\xff\xff not a protobuf"))
+        garbled = await asyncio.wait_for(reader.read(), 5)
+        for w in (silent, writer):
+            w.close()
+        await server.stop(None)
+        gc.collect()                        # a task that ended with an error nobody read says so now
+        return closed, garbled, kept, os.path.exists(live), errors, len(engine.queues)
+
+    closed, garbled, kept, live_left, errors, open_requests = asyncio.run(main())
+    assert closed == b"" and garbled == b"" and open_requests == 0
+    assert not dead.exists() and kept == [] and not live_left   # the dead one went at start, the live one at stop
+    assert errors == [], errors
