@@ -259,6 +259,33 @@ def llama_server(binary: Path, gguf: Path, port: int, log: Path, slots: int, ctx
 
 
 # -- memory ---------------------------------------------------------------------------------------
+SERVER_PROCESSES = ("raylet", "gcs_server", "ray::", "llama-server", "shardserve serve")
+
+
+def other_servers() -> list[str]:
+    """Server processes already running on this machine (another shardserve's Ray cluster, a
+    llama-server): they take cores from the servers measured, and per-token CPU and tok/s read
+    worse by as much. One line each, ``PID command``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            if any(name in command for name in SERVER_PROCESSES):
+                found.append(f"{entry.name} {command[:100]}")
+    return found
+
+
+def warn_if_busy() -> None:
+    """Print a warning naming the servers already running (:func:`other_servers`)."""
+    others = other_servers()
+    if others:
+        print(f"WARNING: {len(others)} server process(es) already run on this machine; the figures will be "
+              "off (stop them first):\n  " + "\n  ".join(others[:5]), flush=True)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -528,6 +555,7 @@ def main() -> None:
     servers = args.servers.split(",")
     binary = llama_server_path() if "llama" in servers else None   # build first: minutes, once
     log_dir = Path(args.log_dir)
+    warn_if_busy()
     print(f"{gguf.name}, streaming completions of {args.max_tokens} tokens, {os.cpu_count()} CPUs "
           f"(numbers from a shared machine are noisy)\n{HEADER}", flush=True)
     results: list[RunResult] = []

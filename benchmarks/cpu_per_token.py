@@ -102,6 +102,7 @@ def main() -> None:
 
     gguf = resolve_model(args.gguf).path
     servers = args.servers.split(",")
+    bs.warn_if_busy()
     print(f"{gguf.name}: {args.concurrency} client(s), {args.num_requests} streamed completions of {args.max_tokens} tokens, "
           f"{os.cpu_count()} CPUs (noisy on a shared machine)")
     dispatch = dict(zip((1, 2), args.dispatch.split(",")))
