@@ -33,15 +33,16 @@ import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
-_HEADER = struct.Struct("<Q")   # payload bytes
+HEADER = struct.Struct("<Q")   # a frame's payload bytes, before the payload (also cluster/replica/local_link.py)
 
 
 class ChannelClosed(ConnectionError):
     """The other end of a step channel went away (its process died or closed it)."""
 
 
-def _frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload)) + payload
+def frame(payload: bytes) -> bytes:
+    """``payload`` with its length (:data:`HEADER`) in front."""
+    return HEADER.pack(len(payload)) + payload
 
 
 class StepServer:
@@ -79,7 +80,7 @@ class StepServer:
         self._conn = conn
         try:
             while not self._closed:
-                size = _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0]
+                size = HEADER.unpack(_recv_exact(conn, HEADER.size))[0]
                 self._submit(self._answer, pickle.loads(_recv_exact(conn, size)))
         except Exception:  # noqa: BLE001 - closed, reset or garbled: no more plans
             self._closed = True
@@ -98,7 +99,7 @@ class StepServer:
         except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
             payload = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")), protocol=5)
         try:
-            self._conn.sendall(_frame(payload))
+            self._conn.sendall(frame(payload))
         except OSError:
             self._closed = True
 
@@ -165,7 +166,7 @@ class StepClient:
         Raises:
             ChannelClosed: a rank's end is gone.
         """
-        data = _frame(pickle.dumps(plan, protocol=5))
+        data = frame(pickle.dumps(plan, protocol=5))
         for rank, sock in enumerate(self._socks):
             try:
                 _send_all(sock, data)
@@ -234,12 +235,12 @@ class StepClient:
     def _take(self, rank: int):
         """The next whole answer buffered from ``rank`` (stale ones dropped), or None."""
         buf = self._buffers[rank]
-        while len(buf) >= _HEADER.size:
-            size = _HEADER.unpack_from(buf)[0]
-            if len(buf) < _HEADER.size + size:
+        while len(buf) >= HEADER.size:
+            size = HEADER.unpack_from(buf)[0]
+            if len(buf) < HEADER.size + size:
                 return None
-            payload = bytes(buf[_HEADER.size:_HEADER.size + size])
-            del buf[:_HEADER.size + size]
+            payload = bytes(buf[HEADER.size:HEADER.size + size])
+            del buf[:HEADER.size + size]
             if not self._stale[rank]:
                 return pickle.loads(payload)
             self._stale[rank] -= 1

@@ -10,9 +10,9 @@ the gRPC link's: :class:`cluster.replica.grpc_server.StreamLink` on the replica,
 :class:`cluster.frontend.replica_link.ReplicaLink` on the router; other routers, other machines and
 clients keep gRPC.
 
-Protocol: frames of a 4-byte little-endian length and that many bytes. The client's first frame is
-its ``authorization`` value (``Bearer <token>``), checked as gRPC metadata is (a refused caller's
-connection is closed); then ``StreamRequest`` frames in and ``StreamResponse`` frames out. The
+Protocol: frames of an 8-byte little-endian length and that many bytes (the step channel's framing,
+``workers/step_channel.py``). The client's first frame is its ``authorization`` value (``Bearer
+<token>``), checked as gRPC metadata is (a refused caller's connection is closed); then ``StreamRequest`` frames in and ``StreamResponse`` frames out. The
 socket lives in a fresh directory of mode 0700 (only this user can connect). The client closing
 the connection aborts every request it started (as cancelling the gRPC call does); so does
 half-closing it (over gRPC a half-closed call still gets its answers: the router never half-closes).
@@ -38,19 +38,14 @@ from google.protobuf.message import DecodeError
 
 from shardserve.cluster.replica.grpc_server import StreamLink
 from shardserve.proto import inference_pb2 as pb
+from shardserve.workers.step_channel import HEADER, frame
 
 logger = logging.getLogger(__name__)
-_LENGTH_BYTES = 4
 _PREFIX = "shardserve-link-"
 _MAX_AUTHORIZATION_BYTES = 4096
 _MAX_RESPONSE_BYTES = 1 << 30
 _AUTH_TIMEOUT_S = 10.0      # a connection that does not say who it is by then is closed
 _STALE_AFTER_S = 60.0       # a link directory older than this whose socket refuses connections is left over
-
-
-def frame(payload: bytes) -> bytes:
-    """``payload`` with its length in front."""
-    return len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
@@ -61,12 +56,12 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
         asyncio.IncompleteReadError: the stream ended inside a frame.
     """
     try:
-        header = await reader.readexactly(_LENGTH_BYTES)
+        header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
         raise
-    size = int.from_bytes(header, "little")
+    size = HEADER.unpack(header)[0]
     if size > max_bytes:
         raise ValueError(f"a {size}-byte frame is over the {max_bytes}-byte limit")
     return await reader.readexactly(size)

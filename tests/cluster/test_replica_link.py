@@ -286,7 +286,7 @@ def test_closing_the_local_link_aborts_its_requests_and_a_bad_frame_closes_it():
     replica, as cancelling the gRPC call does; a frame over the size limit ends the connection
     without reaching the engine; a dead socket answers UNAVAILABLE."""
     async def scenario(engine, stub, port):
-        from shardserve.cluster.replica.local_link import frame
+        from shardserve.workers.step_channel import HEADER, frame
 
         link = ReplicaLink(stub, (), engine.local_address)
         calls = [link.generate(request(rid)) for rid in ("a", "b")]
@@ -296,7 +296,7 @@ def test_closing_the_local_link_aborts_its_requests_and_a_bad_frame_closes_it():
         link.close()
         await until(lambda: {"a", "b"} <= set(engine.aborted))
         reader, writer = await asyncio.open_unix_connection(engine.local_address)
-        writer.write(frame(b"Bearer whatever") + (1 << 31).to_bytes(4, "little"))
+        writer.write(frame(b"Bearer whatever") + HEADER.pack(1 << 31))
         closed = await asyncio.wait_for(reader.read(), 5)   # b"": the replica closed the connection
         writer.close()
         with pytest.raises(grpc.aio.AioRpcError) as dead:
