@@ -207,8 +207,11 @@ def test_gguf_keeps_no_file_mapped_after_loading(tmp_path):
 def test_gguf_metadata_is_parsed_once_per_process_and_file(tmp_path, monkeypatch):
     """Config, tokenizer and checkpoint of one GGUF file cost one full metadata parse
     (``gguf.GGUFReader``, through transformers' conversion) per process, and equal what transformers
-    loads with ``gguf_file=``; a file changed on disk is read again."""
+    loads with ``gguf_file=``; a file changed on disk is read again; a later process reads the
+    conversion back from the disk cache."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from shardserve.workers.gguf_file import _converted
 
     from shardserve.cluster.tokenizer import load_tokenizer
     from shardserve.workers.model_source import ModelFiles, load_config
@@ -227,6 +230,7 @@ def test_gguf_metadata_is_parsed_once_per_process_and_file(tmp_path, monkeypatch
         writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
         writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
 
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path / "cache"))
     write(1e-5)
     parses = []
     reader = gguf.GGUFReader
@@ -243,6 +247,12 @@ def test_gguf_metadata_is_parsed_once_per_process_and_file(tmp_path, monkeypatch
     assert again.to_dict() == oracle_config.to_dict()
     assert type(tokenizer) is type(oracle_tokenizer) and tokenizer.eos_token == oracle_tokenizer.eos_token == "<|im_end|>"
     assert tokenizer("hi hi")["input_ids"] == oracle_tokenizer("hi hi")["input_ids"] == [30, 29, 30]
+    parsed = len(parses)   # with the oracle's (unpatched) parses
     write(1e-3)   # replaced on disk (a new size or mtime): read again
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    assert load_config(files).rms_norm_eps == pytest.approx(1e-3)
+    changed = load_config(files)
+    assert changed.rms_norm_eps == pytest.approx(1e-3) and len(parses) == parsed + 1
+    _converted.cache_clear()   # as in a new process: the conversion comes back from the disk, unparsed
+    assert load_config(files).to_dict() == changed.to_dict() and len(parses) == parsed + 1
+    assert load_tokenizer(files)("hi hi")["input_ids"] == [30, 29, 30] and len(parses) == parsed + 1
+    assert len(list((tmp_path / "cache" / "gguf-metadata").glob("*.json"))) == 2
