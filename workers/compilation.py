@@ -16,31 +16,36 @@ Shapes: the token count ``T`` (dim 0 of ``input_ids`` and ``positions``) is dyna
 compile serves prefill, decode, mixed and verify steps of any batch (tests count compiles). The
 first trace runs at ``T = 2`` (Dynamo specializes sizes 0 and 1); a batch-1 decode (``T = 1``)
 runs the same graph: :class:`CompiledForward` calls the compiled code without Dynamo's guards
-once it is traced (vLLM's custom dispatcher), since nothing in the graph depends on more than
-the parameters' shapes and ``T``.
+(vLLM's custom dispatcher), since nothing in the graph depends on more than the parameters'
+shapes and ``T``.
 
-Disk cache: Inductor's FX-graph and AOTAutograd caches live under
-``$SHARDSERVE_CACHE/inductor`` (``TORCHINDUCTOR_CACHE_DIR``), keyed by the graph (hence the model
-shape, dtype, TP split and torch version), so a second start-up of the same model only traces
-(Dynamo) and loads the compiled kernels; :func:`compile_stats` tells which happened.
+Disk cache: the whole compiled forward (Dynamo's ahead-of-time API, ``aot_compile``: its
+transformed bytecode and Inductor's kernels in one file) is saved under
+``$SHARDSERVE_CACHE/inductor``, keyed by :func:`forward_key` (model structure, parameter shapes and
+dtypes, config, TP place, thread count, torch version, shardserve's layer and kernel sources). A
+later start-up with the same key loads it, on a thread started before the weights load, instead of
+tracing: no Dynamo trace, no kernel build (:func:`compile_stats` tells which happened). A new key
+(another model, a shardserve or torch upgrade) compiles anew.
 
 ``--compile auto`` compiles where it was measured to pay (``benchmarks/bench_compile.py``): CPU
 ranks. On the 2-core development machine (SmolLM2-135M Q4_1, one thread, one run) the compiled
-forward cut decode CPU per step by 22% at batch 1 and 18% at batch 8, for +24 s of start-up CPU
-with a warm cache (Dynamo traces again; Inductor loads the kernels) and ~95 s cold: it pays back
-after ~1.4k decode steps. CUDA ranks are not compiled under ``auto`` (not measured yet; their
-decode graphs already remove the launch cost). With ``on`` the decode graphs
-(``workers/cuda_graphs.py``) capture the compiled forward, and prefill / verify steps run it
-outside a graph.
+forward cut decode CPU per step by 21-22% at batch 1 and 10-12% at batch 8; start-up with the
+saved forward: 3.8-3.9 s of CPU against 2.6-2.7 s eager (the ~1.2 s: importing Dynamo's and
+Inductor's runtime, probing the CPU's vector ISAs, the read), ~20 s the first time. CUDA ranks are
+not compiled under ``auto`` (not measured yet; their decode graphs already remove the launch
+cost). With ``on`` the decode graphs (``workers/cuda_graphs.py``) capture the compiled forward,
+and prefill / verify steps run it outside a graph.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import threading
 import time
-import types
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -118,10 +123,14 @@ def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$SHARDSERVE_CACHE/inductor`` (default
-    ``~/.cache/shardserve/inductor``)."""
-    base = Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve")
-    return base / "inductor"
+    """Where compiled forwards and kernels are kept: ``$SHARDSERVE_CACHE/inductor`` (default
+    ``~/.cache/shardserve/inductor``); Inductor's own caches are pointed there too
+    (``TORCHINDUCTOR_CACHE_DIR``, unless it is set)."""
+    from shardserve.workers.model_source import cache_dir as shardserve_cache
+
+    path = shardserve_cache() / "inductor"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    return path
 
 
 def use_compile(mode: str, device: torch.device) -> bool:
@@ -139,70 +148,138 @@ def use_compile(mode: str, device: torch.device) -> bool:
 
 def compile_stats() -> dict[str, int]:
     """Counters of this process's compiles: ``traces`` (Dynamo frames compiled), ``cache_hits`` /
-    ``cache_misses`` (Inductor FX-graph cache: a miss generated and built kernels)."""
+    ``cache_misses`` (Inductor FX-graph cache: a miss generated and built kernels), ``loads``
+    (compiled forwards read whole from the disk cache: no trace, no kernel build)."""
     from torch._dynamo.utils import counters
 
     return {"traces": int(counters["stats"]["unique_graphs"]),
             "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
-            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "loads": _LOADS}
 
 
-def own_code(method: Callable) -> Callable:
-    """``method`` (a bound method) over a copy of its function's code object.
+_LOADS = 0
 
-    Dynamo keeps compiled graphs on the code object, so every instance of a model class shares
-    them; without guards (:class:`CompiledForward`), a second model of the same class but other
-    shapes in the same process (a swapped-in model, a second engine) would run the first one's
-    graph and fail on, or silently misread, its parameters. A code object of its own gives each
-    compiled forward its own cache entry.
-    """
-    func = method.__func__
-    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                               func.__closure__)
-    clone.__kwdefaults__ = func.__kwdefaults__
-    return types.MethodType(clone, method.__self__)
+
+def _source_digest() -> str:
+    """sha256 of shardserve's ``workers`` and ``kernels`` sources: the code Dynamo traces (a changed
+    layer must not run a stale compiled forward)."""
+    import shardserve.kernels
+    import shardserve.workers
+
+    digest = hashlib.sha256()
+    for package in (shardserve.workers, shardserve.kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def forward_key(model: nn.Module, device: torch.device, config_text: str = "") -> str:
+    """The disk-cache key of ``model``'s compiled forward on ``device`` (hex, 32 characters):
+    everything the traced graph and its kernels depend on, i.e. the model's structure, every
+    parameter's and buffer's name, shape and dtype (the same on the meta-device model before its
+    weights load), ``config_text`` (the model's config as text: constants such as RoPE bases and
+    norm epsilons), this rank's TP place, the torch thread count (Inductor's C++ kernels specialize
+    on it), the GPU model, torch's version and shardserve's layer and kernel sources."""
+    group = get_tp_group()
+    digest = hashlib.sha256()
+    for part in (torch.__version__, type(model).__qualname__, repr(model), config_text, _source_digest(),
+                 f"tp {group.tp_rank}/{group.tp_size} threads {torch.get_num_threads()} {device.type}",
+                 os.environ.get("SHARDSERVE_COMPILE_ASSERTS", "")):
+        digest.update(part.encode() + b"\0")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}\0".encode())
+    if device.type == "cuda":
+        digest.update(f"{torch.cuda.get_device_name(device)} {torch.version.cuda}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+def _compiled_path(key: str) -> Path:
+    return cache_dir() / f"forward-{key}.bin"
+
+
+def _load_compiled(key: str, forward: Callable):
+    """The compiled forward saved under ``key``, or None when there is none or it does not load."""
+    path = _compiled_path(key)
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as file:
+            return torch.compiler.load_compiled_function(file, f_globals=forward.__globals__)
+    except Exception as exc:   # another torch or GPU, a truncated file: compile again, replace it
+        logger.warning("compiled forward %s does not load (%s: %s): compiling again", path, type(exc).__name__, exc)
+        return None
+
+
+def start_loading(model: nn.Module, key: str) -> Future:
+    """Read the compiled forward of ``key`` from the disk cache on a thread of its own, now: a rank
+    calls this on its meta-device model, so that the read (most of it importing Inductor's runtime
+    and probing the CPU's vector ISAs in subprocesses, ~0.8 s of CPU) overlaps the weights'
+    loading. The future's result is the loaded function or None; :class:`CompiledForward` takes it."""
+    future: Future = Future()
+    forward = type(model).forward
+
+    def load() -> None:
+        try:
+            future.set_result(_load_compiled(key, forward))
+        except BaseException as exc:   # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(exc)
+
+    threading.Thread(target=load, name="compiled-forward-load", daemon=True).start()
+    return future
 
 
 class CompiledForward:
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]`` of ``model`` through torch.compile.
 
     Args:
-        model: the model (its opaque modules are registered here, before any trace).
-        forward: the model's forward (called inside a forward context).
+        model: the model (its opaque modules are registered here, before any trace); its class's
+            ``forward(self, input_ids, positions)`` is what is compiled, with the model an argument
+            (its parameters are graph inputs, not constants).
+        key: the disk-cache key (:func:`forward_key`), or None to keep nothing on disk.
+        loading: :func:`start_loading`'s future for ``key``, if the read started earlier.
 
-    The first call traces and compiles (``T`` unbacked: no specialization on 0 or 1, so the same
-    graph serves every step); later calls run the compiled code.
+    The first call compiles with Dynamo's ahead-of-time API (``torch.compile(...).aot_compile``:
+    ``T`` unbacked, no specialization on 0 or 1, so the same graph serves every step) and saves the
+    whole compiled function, Dynamo's transformed bytecode and Inductor's kernels, as
+    ``$SHARDSERVE_CACHE/inductor/forward-<key>.bin``; a later start-up with the same key loads that
+    file instead of tracing (vLLM's AOT compile; Dynamo's trace was ~4 s of the 8.9-s warm start of
+    SmolLM2-135M). A file that does not load (another torch, a corrupt file) is compiled anew and
+    replaced. The compiled function is called without Dynamo's guards (vLLM's custom dispatcher):
+    the graph depends only on the parameters' shapes (in the key) and on ``T``, which is symbolic;
+    a compiled function of its own per instance also keeps two models of one class apart.
     """
 
-    def __init__(self, model: nn.Module, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, key: str | None = None, loading: Future | None = None) -> None:
+        self.model = model
         self.modules = opaque_modules(model)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
-        # No guards kept (vLLM's dispatcher): the graph depends only on the parameters' shapes and on
-        # T, which is symbolic, so re-checking ~1k guards every step would only cost time.
-        # Inductor's size/stride asserts (~580 a SmolLM2 step, 0.4 ms of 6) check that extern
-        # kernels and opaque ops return what their fakes promised; the tests turn them on
-        # (SHARDSERVE_COMPILE_ASSERTS=1, tests/conftest.py), a served forward runs without them.
-        self._compiled = torch.compile(own_code(forward), fullgraph=True, dynamic=False,
-                                       options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                                                "size_asserts": os.environ.get("SHARDSERVE_COMPILE_ASSERTS") == "1"})
-        self.compiled = False
+        self.key = key
+        self.loading = loading
+        cache_dir()   # points Inductor's caches under ours
+        self._compiled: Callable | None = None
         self.compile_s = 0.0
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         global _ACTIVE_MODULES
         outer, _ACTIVE_MODULES = _ACTIVE_MODULES, self.modules
         try:
-            if self.compiled:
-                return self._compiled(input_ids, positions)
-            return self._first(input_ids, positions)
+            if self._compiled is None:
+                self._first(input_ids, positions)
+            return self._compiled(self.model, input_ids, positions)
         finally:
             _ACTIVE_MODULES = outer
 
     @torch.inference_mode()
     def warm_up(self, model: nn.Module, block_size: int, device: torch.device) -> None:
-        """Trace and compile now (start-up), on a 2-token step of one sequence in cache block 0 (and
-        recurrent-state slot 0): both hold nothing yet, and a request zeroes a state slot when it
-        gets it. Every TP rank calls this at the same time (the graph holds the all-reduces)."""
+        """Trace and compile (or load) now (start-up), on a 2-token step of one sequence in cache
+        block 0 (and recurrent-state slot 0): both hold nothing yet, and a request zeroes a state
+        slot when it gets it. Every TP rank calls this at the same time (the step holds the
+        all-reduces)."""
         from shardserve.workers.activation import StepShape
         from shardserve.workers.forward_context import forward_context
         from shardserve.workers.memory_profile import step_batch
@@ -217,17 +294,50 @@ class CompiledForward:
         with forward_context(meta):
             self(input_ids, meta.positions)
 
-    def _first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        global _LOADS
+        start = time.perf_counter()
+        compiled = self._load()
+        if compiled is not None:
+            _LOADS += 1
+            how = "loaded from the compile cache"
+        else:
+            before = compile_stats()
+            compiled = self._compile(input_ids, positions)
+            after = compile_stats()
+            cached = after["cache_hits"] > before["cache_hits"] and after["cache_misses"] == before["cache_misses"]
+            how = "traced; kernels loaded from the compile cache" if cached else "traced; kernels generated and built"
+            self._save(compiled)
+        compiled.disable_guard_check()
+        self._compiled = compiled
+        self.compile_s = time.perf_counter() - start
+        logger.info("compiled forward: %.1f s (%s)", self.compile_s, how)
+
+    def _compile(self, input_ids: torch.Tensor, positions: torch.Tensor):
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        before, start = compile_stats(), time.perf_counter()
+        # Inductor's size/stride asserts (~580 a SmolLM2 step, 0.4 ms of 6) check that extern
+        # kernels and opaque ops return what their fakes promised; the tests turn them on
+        # (SHARDSERVE_COMPILE_ASSERTS=1, tests/conftest.py), a served forward runs without them.
+        compiler = torch.compile(type(self.model).forward, fullgraph=True, dynamic=False,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                                          "size_asserts": os.environ.get("SHARDSERVE_COMPILE_ASSERTS") == "1"})
         # T is symbolic even when the first step has one token: no 0/1 specialization
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            out = self._compiled(input_ids, positions)
-        self.compile_s = time.perf_counter() - start
-        self.compiled = True
-        after = compile_stats()
-        cached = after["cache_hits"] > before["cache_hits"] and after["cache_misses"] == before["cache_misses"]
-        logger.info("compiled forward: %.1f s (%s)", self.compile_s,
-                    "kernels loaded from the compile cache" if cached else "kernels generated and built")
-        return out
+            return compiler.aot_compile(((self.model, input_ids, positions), {}))
+
+    def _load(self):
+        if self.loading is not None:
+            return self.loading.result()
+        return _load_compiled(self.key, type(self.model).forward) if self.key else None
+
+    def _save(self, compiled) -> None:
+        if self.key is None:
+            return
+        path = _compiled_path(self.key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(path))   # a temporary file renamed into place
+        except Exception as exc:   # a read-only cache, a backend that does not serialize: keep it in memory
+            logger.warning("compiled forward not saved to %s (%s: %s): the next start-up compiles again",
+                           path, type(exc).__name__, exc)

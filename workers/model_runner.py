@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from shardserve.kernels import cpu_attention
 from shardserve.workers.checkpoint import GGUFCheckpoint
-from shardserve.workers.compilation import CompiledForward, use_compile
+from shardserve.workers.compilation import CompiledForward, forward_key, start_loading, use_compile
 from shardserve.workers.device import (DeviceConfigError, bound_cpu_kernel_caches, gib, host_memory_available,
                                        resolve_device, resolve_dtype)
 from shardserve.workers.distributed import get_expert_group, get_tp_group
@@ -185,9 +186,11 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.plan: RankPlan | None = None
         self._plan_config: PlanConfig | None = None
+        self._compile_key: str | None = None
+        self._compile_loading: Future | None = None   # the compiled forward's read, started before the weights'
         self.model, self.weight_bytes = build_model(
             hf_config, self.checkpoint, config.tensor_split, self.dtype, progress, device=self.device,
-            keep_fp8=keeps_fp8(self.device), before_load=self._plan_rank, weight_format=weight_format)
+            keep_fp8=keeps_fp8(self.device), before_load=self._before_load, weight_format=weight_format)
         self.forward = self.model   # the compiled forward after allocate_kv_cache with --compile
         self.compiled: CompiledForward | None = None
         self.weight_record = self.checkpoint.observer.record
@@ -258,6 +261,14 @@ class ModelRunner:
                           cfg.kv_cache_bytes, cfg.num_blocks, self.block_size, self.max_model_len, cfg.max_num_seqs,
                           cfg.max_num_batched_tokens, cfg.decode_graphs, cfg.enforce_eager,
                           use_triton(torch.empty(0, device=self.device)), overhead)
+
+    def _before_load(self, meta_model, weight_bytes: int) -> None:
+        """Plan the rank (:meth:`_plan_rank`) and, with ``--compile``, start reading its compiled
+        forward from the disk cache while the weights load (``workers/compilation.py``)."""
+        self._plan_rank(meta_model, weight_bytes)
+        if self._compiles():
+            self._compile_key = forward_key(meta_model, self.device, self.hf_config.to_json_string())
+            self._compile_loading = start_loading(meta_model, self._compile_key)
 
     def _plan_rank(self, meta_model, weight_bytes: int) -> None:
         """Before any weight is read: plan this rank from its meta-device model (``workers/plan.py``,
@@ -390,16 +401,21 @@ class ModelRunner:
                 f"{gib(plan.capacity)} ({parts}): the plan under-counts this rank by {gib(held - plan.capacity)}; run with "
                 "--enforce-eager (no graph pool) or a lower --max-num-seqs, and report it")
 
+    def _compiles(self) -> bool:
+        # data-parallel attention: the MoE exchange reads host counts per step, the forward stays eager
+        return use_compile(self.config.compile, self.device) and self.config.attention_dp_size == 1
+
     def compile_forward(self) -> None:
         """With ``--compile`` on for this device: compile the forward now (a warm-up step on the
         scratch-free first block; a cache hit when this model shape was compiled before), so no
         request pays for it."""
-        if self.compiled is not None or not use_compile(self.config.compile, self.device):
+        if self.compiled is not None or not self._compiles():
+            if self.config.attention_dp_size > 1 and use_compile(self.config.compile, self.device):
+                logger.info("data-parallel attention: the forward runs eagerly (no --compile)")
             return
-        if self.config.attention_dp_size > 1:   # the MoE exchange reads host counts per step: stays eager
-            logger.info("data-parallel attention: the forward runs eagerly (no --compile)")
-            return
-        self.compiled = CompiledForward(self.model, self.model.forward)
+        if self._compile_loading is None:   # a runner built without its meta-model step
+            self._compile_key = forward_key(self.model, self.device, self.hf_config.to_json_string())
+        self.compiled = CompiledForward(self.model, self._compile_key, self._compile_loading)
         self.forward = self.compiled
         self.compiled.warm_up(self.model, self.block_size, self.device)
 

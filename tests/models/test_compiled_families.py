@@ -83,7 +83,9 @@ def test_tp1_compiled_equals_eager(checkpoints, arch):
     runner = make_runner(path, compile="on")
     assert runner.compiled is not None
     compiled = run_script(runner)
-    assert compile_stats()["traces"] - before["traces"] == 1, "traced once, at start-up; no step recompiled"
+    after = compile_stats()
+    assert after["traces"] - before["traces"] == 1, "traced once, at start-up; no step recompiled"
+    assert after["loads"] == before["loads"], "a fresh cache folder: nothing to load"
     diff = (compiled - eager).abs().max().item()
     assert diff < 1e-4 * max(1.0, eager.abs().max().item()), f"{arch}: max |compiled - eager| = {diff}"
 

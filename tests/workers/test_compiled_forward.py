@@ -1,9 +1,9 @@
 """``--compile``: the torch.compile'd forward against the eager one and transformers, its compile
 count over steps of every shape, and its on-disk cache across start-ups (tiny Llama, float32).
 
-The compiled engine shares one Inductor cache folder (``$SHARDSERVE_CACHE``) for the module: the
-fixture compiles cold, a second build (in this process after Dynamo's reset; slow: in a second
-process) must only load from it. Fast apart from the one cold compile of a two-layer model.
+The compiled engine shares one cache folder (``$SHARDSERVE_CACHE``) for the module: the fixture
+compiles cold, a second build (in this process after Dynamo's reset; slow: in a second process)
+must only load from it. Fast apart from the one cold compile of a two-layer model.
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def test_fifty_steps_of_every_batch_size_compile_once(engines):
     assert compile_stats() == after_start, "a step recompiled the forward"
 
 
-def test_second_build_loads_every_kernel_from_the_disk_cache(engines, llama, caplog):
-    """A new engine after Dynamo's in-memory state is dropped: it traces again, and Inductor finds
-    the graph in the on-disk cache (new module objects: the key holds names, not ids). Runs after
-    the tests that use the module's compiled engine (the reset drops its compiled frames)."""
+def test_second_build_loads_the_compiled_forward_from_the_disk_cache(engines, llama, caplog):
+    """A new engine after Dynamo's in-memory state is dropped loads the saved compiled forward: no
+    trace, no kernel build (new module objects: the forward takes the model as an argument). Runs
+    after the tests that use the module's compiled engine."""
     path, _, _ = llama
     eager = engines[0]
     torch._dynamo.reset()
@@ -132,8 +132,29 @@ def test_second_build_loads_every_kernel_from_the_disk_cache(engines, llama, cap
         again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
                                compile="on"), progress=False)
     after = compile_stats()
-    assert after["cache_hits"] > before["cache_hits"] and after["cache_misses"] == before["cache_misses"], after
-    assert "kernels loaded from the compile cache" in caplog.text
+    assert after["loads"] == before["loads"] + 1 and after["traces"] == before["traces"], (before, after)
+    assert after["cache_misses"] == before["cache_misses"], after
+    assert "(loaded from the compile cache)" in caplog.text
+    for ids in PROMPTS[:2]:
+        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+
+
+def test_a_compiled_forward_that_does_not_load_is_compiled_again_and_replaced(engines, llama, caplog):
+    """A truncated file in the cache (a full disk, a killed writer): a warning, a fresh compile
+    (kernels from Inductor's cache), the file rewritten, the same logits."""
+    path, _, cache = llama
+    eager = engines[0]
+    saved = list((cache / "inductor").glob("forward-*.bin"))
+    assert len(saved) == 1, saved
+    saved[0].write_bytes(saved[0].read_bytes()[:1000])
+    torch._dynamo.reset()
+    before = compile_stats()
+    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
+        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
+                               compile="on"), progress=False)
+    after = compile_stats()
+    assert "does not load" in caplog.text and after["traces"] == before["traces"] + 1, caplog.text
+    assert after["loads"] == before["loads"] and saved[0].stat().st_size > 1000
     for ids in PROMPTS[:2]:
         assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
 
@@ -172,6 +193,6 @@ def test_two_models_of_one_class_and_other_shapes_compile_apart():
     ids, positions = torch.tensor([1, 2, 3]), torch.tensor([0.0, 1.0, 2.0])
     for width in (8, 12):
         toy = _Toy(width)
-        compiled = CompiledForward(toy, toy.forward)
+        compiled = CompiledForward(toy)
         torch.testing.assert_close(compiled(ids, positions), toy(ids, positions))
         torch.testing.assert_close(compiled(ids[:1], positions[:1]), toy(ids[:1], positions[:1]))
