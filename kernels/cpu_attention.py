@@ -126,7 +126,8 @@ def _rows_ok(rows: torch.Tensor) -> bool:
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int, key: torch.Tensor | None = None,
-                     value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor | None:
+                     value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                     step_cache: dict | None = None) -> torch.Tensor | None:
     """:func:`kernels.paged_attention.paged_decode_attention` in C where it applies, else None;
     with ``key``, ``value`` and ``slot_mapping``, this step's K/V are stored first
     (:func:`kernels.paged_attention.store_kv_ref`), in the same call.
@@ -139,6 +140,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         scale: softmax scale. max_seq_len: the longest context (host int).
         key, value: ``[B, Hkv, D]`` bf16 (heads contiguous per token). slot_mapping: ``[B]`` int64
             (negative: not stored).
+        step_cache: the step's cache (``AttentionMetadata.step_cache``): what depends only on the
+            step (the checks of its tables, their addresses, the score scratch) is worked out by the
+            first layer and reused by the others (~5 us of host time a layer saved).
 
     Returns:
         ``[B, H, D]`` bf16, or None (nothing stored) where the torch path must run: other dtypes or
@@ -151,25 +155,45 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     batch, num_heads, head_dim = query.shape
     num_kv = k_cache.shape[2]
-    if not (batch * max_seq_len <= MAX_DECODE_KEYS and _rows_ok(query) and num_heads % num_kv == 0
-            and num_heads // num_kv <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int32
-            and block_tables.is_contiguous() and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
-            and available()):
+    group = num_heads // num_kv
+    cache_key = ("cpu_decode_attention", group, slot_mapping is not None)
+    step = step_cache.get(cache_key) if step_cache is not None else None
+    if step is None:
+        step = _step_args(block_tables, seq_lens, slot_mapping, max_seq_len, group)
+        if step_cache is not None:
+            step_cache[cache_key] = step
+    if not step or not (step[0] == batch and num_heads == group * num_kv and group <= MAX_GROUP
+                        and head_dim <= MAX_HEAD_DIM and _rows_ok(query) and k_cache.dtype == torch.bfloat16
+                        and v_cache.dtype == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     stored = (0, 0, 0, 0, 0)
     if slot_mapping is not None:
         if not (_rows_ok(key) and _rows_ok(value) and key.shape[0] == batch and key.shape[1:] == (num_kv, head_dim)
-                and value.shape == key.shape and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+                and value.shape == key.shape):
             return None
-        stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr())
+        stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), step[4])
+    _, tables, width, lens, _, scratch = step
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
-    scratch = torch.empty((num_heads // num_kv) * max_seq_len, dtype=torch.float32)
     if _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-                             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), max_seq_len,
-                             out.data_ptr(), batch, num_heads, num_kv, head_dim, k_cache.shape[1], scale,
-                             scratch.data_ptr(), *stored):
+                             tables, width, lens, max_seq_len, out.data_ptr(), batch, num_heads, num_kv, head_dim,
+                             k_cache.shape[1], scale, scratch.data_ptr(), *stored):
         raise IndexError("decode attention: a slot, block id or sequence length is outside the cache or the block "
                          f"table (max_seq_len {max_seq_len}, {k_cache.shape[0]} blocks of {k_cache.shape[1]})")
     return out
+
+
+def _step_args(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor | None,
+               max_seq_len: int, group: int) -> tuple | bool:
+    """What :func:`decode_attention` needs of the step, the same for every layer: ``(batch, block
+    tables' address, their width, seq_lens' address, slot_mapping's address, score scratch)``, or
+    False where the C kernel does not apply to this step."""
+    batch = seq_lens.shape[0]
+    if not (batch * max_seq_len <= MAX_DECODE_KEYS and block_tables.dtype == torch.int32
+            and block_tables.is_contiguous() and block_tables.shape[0] == batch and seq_lens.dtype == torch.int64
+            and seq_lens.is_contiguous() and not block_tables.is_cuda and available()):
+        return False
+    if slot_mapping is not None and not (slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        return False
+    scratch = torch.empty(max(group, 1) * max_seq_len, dtype=torch.float32)
+    return (batch, block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+            slot_mapping.data_ptr() if slot_mapping is not None else 0, scratch)

@@ -368,9 +368,9 @@ def store_kv_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """:func:`store_kv` then :func:`paged_attention` (same arguments and result); a small bf16
     decode step on CPU does both in one C call (:func:`kernels.cpu_attention.decode_attention`)."""
     if (query.dtype == torch.bfloat16 and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
-            and not use_triton(query)):
+            and not query.is_cuda and not torch.compiler.is_compiling()):   # (SHARDSERVE_KERNELS: checked inside)
         out = cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                             key, value, slot_mapping)
+                                             key, value, slot_mapping, step_cache)
         if out is not None:
             return out
     store_kv(key, value, k_cache, v_cache, slot_mapping)

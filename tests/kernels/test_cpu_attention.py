@@ -147,3 +147,23 @@ def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
     built.parent.mkdir(parents=True)
     built.write_bytes(b"")                                              # e.g. a full disk, a copied cache
     assert cpu_attention.available() and built.stat().st_size > 0
+
+
+def test_a_steps_tables_are_checked_once_for_all_its_layers(monkeypatch):
+    """Layers of one step share the step cache: the tables' checks, addresses and score scratch are
+    worked out by the first layer only, and each layer's result is the one it gets alone."""
+    checks = []
+    real = cpu_attention._step_args
+    monkeypatch.setattr(cpu_attention, "_step_args", lambda *args: checks.append(args) or real(*args))
+    torch.manual_seed(0)
+    block_tables, num_blocks = make_block_tables([5, 20], 16)
+    tables, lens = block_tables.to(torch.int32), torch.tensor([5, 20])
+    step_cache: dict = {}
+    for layer in range(3):
+        k_cache = torch.randn(num_blocks, 16, 2, 32, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        query = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+        shared = cpu_attention.decode_attention(query, k_cache, v_cache, tables, lens, 0.2, 20, step_cache=step_cache)
+        alone = cpu_attention.decode_attention(query, k_cache, v_cache, tables, lens, 0.2, 20)
+        assert shared is not None and torch.equal(shared, alone), layer
+    assert len(checks) == 1 + 3, "one check for the step's layers, one per call without a step cache"
