@@ -13,6 +13,7 @@ memory rules), ``workers/step_inputs.py`` (input layout and upload), ``workers/m
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from concurrent.futures import Future
@@ -267,7 +268,8 @@ class ModelRunner:
         forward from the disk cache while the weights load (``workers/compilation.py``)."""
         self._plan_rank(meta_model, weight_bytes)
         if self._compiles():
-            self._compile_key = forward_key(meta_model, self.device, self.hf_config.to_json_string())
+            config_text = json.dumps(self.hf_config.to_dict(), sort_keys=True, default=repr)
+            self._compile_key = forward_key(meta_model, self.device, config_text)
             self._compile_loading = start_loading(meta_model, self._compile_key)
 
     def _plan_rank(self, meta_model, weight_bytes: int) -> None:
@@ -407,14 +409,12 @@ class ModelRunner:
 
     def compile_forward(self) -> None:
         """With ``--compile`` on for this device: compile the forward now (a warm-up step on the
-        scratch-free first block; a cache hit when this model shape was compiled before), so no
-        request pays for it."""
+        scratch-free first block), or take the one read from the disk cache while the weights
+        loaded (:meth:`_before_load`), so no request pays for it."""
         if self.compiled is not None or not self._compiles():
             if self.config.attention_dp_size > 1 and use_compile(self.config.compile, self.device):
                 logger.info("data-parallel attention: the forward runs eagerly (no --compile)")
             return
-        if self._compile_loading is None:   # a runner built without its meta-model step
-            self._compile_key = forward_key(self.model, self.device, self.hf_config.to_json_string())
         self.compiled = CompiledForward(self.model, self._compile_key, self._compile_loading)
         self.forward = self.compiled
         self.compiled.warm_up(self.model, self.block_size, self.device)
