@@ -39,6 +39,7 @@ and prefill / verify steps run it outside a graph.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -161,6 +162,7 @@ def compile_stats() -> dict[str, int]:
 _LOADS = 0
 
 
+@functools.cache
 def _source_digest() -> str:
     """sha256 of shardserve's ``workers`` and ``kernels`` sources: the code Dynamo traces (a changed
     layer must not run a stale compiled forward)."""
@@ -258,11 +260,6 @@ class CompiledForward:
         self.loading = loading
         cache_dir()   # points Inductor's caches under ours
         self._compiled: Callable | None = None
-        self.compile_s = 0.0
-
-    @property
-    def compiled(self) -> bool:
-        return self._compiled is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         global _ACTIVE_MODULES
@@ -310,8 +307,7 @@ class CompiledForward:
             self._save(compiled)
         compiled.disable_guard_check()
         self._compiled = compiled
-        self.compile_s = time.perf_counter() - start
-        logger.info("compiled forward: %.1f s (%s)", self.compile_s, how)
+        logger.info("compiled forward: %.1f s (%s)", time.perf_counter() - start, how)
 
     def _compile(self, input_ids: torch.Tensor, positions: torch.Tensor):
         torch._dynamo.mark_dynamic(input_ids, 0)
