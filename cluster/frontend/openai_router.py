@@ -284,9 +284,12 @@ class RouterCore:
     def _link(self, stub, metadata: tuple, local_path: str | None = None) -> ReplicaLink:
         """The streaming link over ``stub``'s channel (over the replica's local socket ``local_path``
         when it is on this machine) with the replica's credential ``metadata`` (one per replica
-        channel, opened on first use; a new one if the replica's token or socket changed)."""
+        channel, opened on first use; a new one if the replica's token or socket changed, the old
+        one closed when the requests still on it have ended)."""
         link = self._links.get(stub)
         if link is None or link.metadata != metadata or link.local_path != local_path:
+            if link is not None:
+                link.retire()
             link = self._links[stub] = ReplicaLink(stub, metadata, local_path)
         return link
 

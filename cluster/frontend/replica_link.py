@@ -70,9 +70,12 @@ class LinkCall:
 
     def _close(self) -> None:
         self.done = True
-        self.link.calls.pop(self.request_id, None)
+        link = self.link
+        link.calls.pop(self.request_id, None)
         if self._timer is not None:
             self._timer.cancel()
+        if link.retiring and not link.calls:
+            link.close()
 
     def _expire(self) -> None:
         """The deadline passed without the replica ending the request: end it here and abort it there."""
@@ -136,6 +139,7 @@ class ReplicaLink:
         self._outgoing: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self.streams = True              # False once the replica answered UNIMPLEMENTED
+        self.retiring = False            # replaced by a new link: closes when its last request ends
         self.num_batches = 0             # messages received (one per engine step with output for us)
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
@@ -206,8 +210,18 @@ class ReplicaLink:
             target._end(error)
 
     def close(self) -> None:
-        """Stop reading (the router shuts down); open requests end with UNAVAILABLE."""
+        """Close the stream (the router shuts down); open requests end with UNAVAILABLE. A request
+        started afterwards opens a new stream (the cancelled reader is not reused: it would never
+        read that request's answers)."""
         if self._reader is not None:
             self._reader.cancel()
+        self._reader, self._outgoing = None, None
         for target in list(self.calls.values()):
             target._end(rpc_error(grpc.StatusCode.UNAVAILABLE, "the router's link to the replica closed"))
+
+    def retire(self) -> None:
+        """Close once the requests open on it have ended (the router opened a new link to the
+        replica: its token or socket changed); they finish over this stream meanwhile."""
+        self.retiring = True
+        if not self.calls:
+            self.close()

@@ -407,3 +407,54 @@ def test_the_local_link_closes_silent_or_garbled_connections_and_sweeps_dead_rep
     assert closed == b"" and garbled == b"" and open_requests == 0
     assert not dead.exists() and kept == [] and not live_left   # the dead one went at start, the live one at stop
     assert errors == [], errors
+
+
+@TRANSPORTS
+def test_a_request_started_right_after_close_opens_a_new_stream(local):
+    """``close()`` then ``generate()`` in the same tick: the request is served over a new stream,
+    not put on the cancelled one (it hung there until its deadline)."""
+    async def scenario(engine, stub, port):
+        link = ReplicaLink(stub, (), engine.local_address if local else None)
+        first = link.generate(request("first"))
+        await until(lambda: "first" in engine.queues)
+        link.close()
+        again = link.generate(request("again"))
+        await until(lambda: "again" in engine.queues)
+        texts = ""
+        for _ in range(3):
+            engine.step()
+            texts += (await again.read()).text
+        with pytest.raises(grpc.aio.AioRpcError) as closed:
+            await first.read()
+        return texts, await again.read(), closed.value.code()
+
+    texts, end, closed = run(scenario)
+    assert texts == "t1 t2 t3 " and end is grpc.aio.EOF and closed == grpc.StatusCode.UNAVAILABLE
+
+
+@TRANSPORTS
+def test_a_replaced_link_finishes_its_requests_then_closes(local):
+    """The router's link to a replica is replaced when the replica's token (or socket) changes:
+    requests on the old stream finish there, then the old stream is closed (it stayed open)."""
+    async def scenario(engine, stub, port):
+        core = RouterCore.__new__(RouterCore)
+        core._links = {}
+        path = engine.local_address if local else None
+        old = core._link(stub, (("authorization", "Bearer a"),), path)
+        running = old.generate(request("running"))
+        await until(lambda: "running" in engine.queues)
+        new = core._link(stub, (("authorization", "Bearer b"),), path)
+        assert new is not old and old.retiring and old._reader is not None
+        fresh = new.generate(request("fresh"))
+        await until(lambda: "fresh" in engine.queues)
+        texts = {"running": "", "fresh": ""}
+        for _ in range(3):
+            engine.step()
+            texts["running"] += (await running.read()).text
+            texts["fresh"] += (await fresh.read()).text
+        ends = [await running.read(), await fresh.read()]
+        return texts, ends, old._reader, new._reader is not None
+
+    texts, ends, old_reader, new_open = run(scenario)
+    assert texts == {"running": "t1 t2 t3 ", "fresh": "t1 t2 t3 "} and ends == [grpc.aio.EOF] * 2
+    assert old_reader is None and new_open, "the old stream closed once its request ended; the new one stays"
