@@ -22,10 +22,11 @@ shapes and ``T``.
 Disk cache: the whole compiled forward (Dynamo's ahead-of-time API, ``aot_compile``: its
 transformed bytecode and Inductor's kernels in one file) is saved under
 ``$SHARDSERVE_CACHE/inductor``, keyed by :func:`forward_key` (model structure, parameter shapes and
-dtypes, config, TP place, thread count, torch version, shardserve's layer and kernel sources). A
-later start-up with the same key loads it, on a thread started before the weights load, instead of
-tracing: no Dynamo trace, no kernel build (:func:`compile_stats` tells which happened). A new key
-(another model, a shardserve or torch upgrade) compiles anew.
+dtypes, config, TP place, thread count, CPU vector ISA, torch version, shardserve's layer and kernel
+sources). A later start-up with the same key loads it, on a thread started before the weights load,
+instead of tracing: no Dynamo trace, no kernel build (:func:`compile_stats` tells which happened).
+A new key (another model, a shardserve or torch upgrade) compiles anew; the 16 most recently used
+are kept. A cache folder that cannot be written leaves Inductor a temporary one (nothing is kept).
 
 ``--compile auto`` compiles where it was measured to pay (``benchmarks/bench_compile.py``): CPU
 ranks. On the 2-core development machine (SmolLM2-135M Q4_1, one thread, one run) the compiled
@@ -43,6 +44,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -123,15 +126,41 @@ def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return group.all_reduce(tensor)
 
 
+COMPILED_FORWARDS_KEPT = 16   # compiled forwards kept on disk (the least recently used beyond are removed)
+
+
 def cache_dir() -> Path:
-    """Where compiled forwards and kernels are kept: ``$SHARDSERVE_CACHE/inductor`` (default
-    ``~/.cache/shardserve/inductor``); Inductor's own caches are pointed there too
-    (``TORCHINDUCTOR_CACHE_DIR``, unless it is set)."""
+    """Where compiled forwards are kept: ``$SHARDSERVE_CACHE/inductor`` (default
+    ``~/.cache/shardserve/inductor``)."""
     from shardserve.workers.model_source import cache_dir as shardserve_cache
 
-    path = shardserve_cache() / "inductor"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
-    return path
+    return shardserve_cache() / "inductor"
+
+
+_scratch_dir: str | None = None
+
+
+def _point_inductor_at_cache() -> None:
+    """Point Inductor's own caches (``TORCHINDUCTOR_CACHE_DIR``, unless it is set) at
+    :func:`cache_dir`, or, where that cannot be written (a read-only volume, another user's
+    cache), at a temporary folder of this process, with a warning: Inductor writes kernels and
+    lock files there even to load a compiled forward, and failed at start-up without it."""
+    global _scratch_dir
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    path = cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        if _scratch_dir is None:
+            _scratch_dir = tempfile.mkdtemp(prefix="shardserve-inductor-")
+            logger.warning("the compile cache %s cannot be written: compiled kernels go to %s and are not kept "
+                           "for the next start-up", path, _scratch_dir)
+        path = Path(_scratch_dir)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
 def use_compile(mode: str, device: torch.device) -> bool:
@@ -182,12 +211,14 @@ def forward_key(model: nn.Module, device: torch.device, config_text: str = "") -
     everything the traced graph and its kernels depend on, i.e. the model's structure, every
     parameter's and buffer's name, shape and dtype (the same on the meta-device model before its
     weights load), ``config_text`` (the model's config as text: constants such as RoPE bases and
-    norm epsilons), this rank's TP place, the torch thread count (Inductor's C++ kernels specialize
-    on it), the GPU model, torch's version and shardserve's layer and kernel sources."""
+    norm epsilons; leave out what names the files, not the model), this rank's TP place, the
+    torch thread count and the CPU's vector ISA (Inductor's C++ kernels specialize on both), the
+    GPU model, torch's version and shardserve's layer and kernel sources."""
     group = get_tp_group()
     digest = hashlib.sha256()
     for part in (torch.__version__, type(model).__qualname__, repr(model), config_text, _source_digest(),
                  f"tp {group.tp_rank}/{group.tp_size} threads {torch.get_num_threads()} {device.type}",
+                 torch.backends.cpu.get_cpu_capability(),
                  os.environ.get("SHARDSERVE_COMPILE_ASSERTS", "")):
         digest.update(part.encode() + b"\0")
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -203,15 +234,21 @@ def _compiled_path(key: str) -> Path:
 
 def _load_compiled(key: str, forward: Callable):
     """The compiled forward saved under ``key``, or None when there is none or it does not load."""
+    _point_inductor_at_cache()
     path = _compiled_path(key)
     if not path.exists():
         return None
     try:
         with open(path, "rb") as file:
-            return torch.compiler.load_compiled_function(file, f_globals=forward.__globals__)
+            compiled = torch.compiler.load_compiled_function(file, f_globals=forward.__globals__)
     except Exception as exc:   # another torch or GPU, a truncated file: compile again, replace it
         logger.warning("compiled forward %s does not load (%s: %s): compiling again", path, type(exc).__name__, exc)
         return None
+    try:
+        os.utime(path)   # recently used: kept by the pruning in _save (a cache of another owner: not)
+    except OSError:
+        pass
+    return compiled
 
 
 def start_loading(model: nn.Module, key: str) -> Future:
@@ -258,7 +295,7 @@ class CompiledForward:
         self.modules = opaque_modules(model)
         self.key = key
         self.loading = loading
-        cache_dir()   # points Inductor's caches under ours
+        _point_inductor_at_cache()
         self._compiled: Callable | None = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -328,12 +365,25 @@ class CompiledForward:
         return _load_compiled(self.key, type(self.model).forward) if self.key else None
 
     def _save(self, compiled) -> None:
+        """Write the compiled forward (mode 0644) through a private staging folder, renamed into
+        place (the staging folder removed whatever happens); keep the newest
+        ``COMPILED_FORWARDS_KEPT``. A cache that cannot be written keeps it in memory only."""
         if self.key is None:
             return
         path = _compiled_path(self.key)
+        staging = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            compiled.save_compiled_function(str(path))   # a temporary file renamed into place
+            staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=path.parent))
+            compiled.save_compiled_function(str(staging / path.name))
+            (staging / path.name).chmod(0o644)
+            os.replace(staging / path.name, path)
+            saved = sorted(path.parent.glob("forward-*.bin"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
+            for old in saved[COMPILED_FORWARDS_KEPT:]:
+                old.unlink(missing_ok=True)
         except Exception as exc:   # a read-only cache, a backend that does not serialize: keep it in memory
             logger.warning("compiled forward not saved to %s (%s: %s): the next start-up compiles again",
                            path, type(exc).__name__, exc)
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)

@@ -18,7 +18,8 @@ merges included: about 5 s per parse for SmolLM2-135M on one core. Two things he
 
 Both are keyed by the file's identity (real path, size, modification time in ns): a file replaced on
 disk (a weight reload) is read again. The conversion is also kept on disk (``$SHARDSERVE_CACHE/gguf-metadata``,
-JSON): a later process, a restarted server's ranks and coordinator, reads it back instead of parsing.
+JSON, keyed by the header's bytes): a later process, a restarted server's ranks and coordinator, reads
+it back instead of parsing.
 
 Format source: ggml's ``docs/gguf.md`` (GGUF v2/v3, little-endian); element sizes and quantized
 block sizes come from the ``gguf`` package (``GGML_QUANT_SIZES``).
@@ -37,6 +38,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 # metadata value type -> struct format of one element (GGUF 8 = string, 9 = array are variable-length)
 _SCALAR_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
@@ -75,11 +77,14 @@ class GGUFHeader:
             arrays of strings (the vocabulary, merges) as None: they are skipped, not decoded.
         tensors: the tensor table, in file order.
         file_size: bytes of the file (tensors past it mean the file was cut short).
+        digest: sha256 (hex) of the header's bytes, metadata and tensor table: what the file's
+            metadata conversion depends on, whatever its path or modification time.
     """
 
     metadata: dict
     tensors: tuple[GGUFTensorEntry, ...]
     file_size: int
+    digest: str
 
 
 def file_identity(path: str | os.PathLike) -> tuple[str, int, int]:
@@ -138,7 +143,9 @@ def _walk(blob, size: int) -> GGUFHeader:
     data_start = -(-pos // alignment) * alignment
     entries = tuple(GGUFTensorEntry(name, tuple(dims), ggml_type, data_start + offset)
                     for name, dims, ggml_type, offset in tensors)
-    return GGUFHeader(metadata, entries, size)
+    with memoryview(blob) as whole, whole[:pos] as header:   # released before the map closes
+        digest = hashlib.sha256(header).hexdigest()
+    return GGUFHeader(metadata, entries, size, digest)
 
 
 def _string(blob, pos: int) -> tuple[str, int]:
@@ -184,43 +191,61 @@ METADATA_CACHE_ENTRIES = 16   # converted files kept on disk (the least recently
 def _converted(path: str, size: int, mtime_ns: int) -> dict:
     """transformers' ``load_gguf_checkpoint(path, return_tensors=False)``: its config, tokenizer and
     tokenizer-config dicts converted from the file's metadata (the one full parse), kept as JSON in
-    ``$SHARDSERVE_CACHE/gguf-metadata`` under the file's identity and the transformers and gguf
-    versions, so that a later process reads it back (~10 ms for SmolLM2-135M's 49,152-token
-    vocabulary instead of ~2.3 s of parsing)."""
+    ``$SHARDSERVE_CACHE/gguf-metadata`` under the digest of the file's header bytes and the
+    transformers and gguf versions, so that a later process reads it back (~10 ms for
+    SmolLM2-135M's 49,152-token vocabulary instead of ~2.3 s of parsing). An entry that does not
+    read back as such a conversion is parsed again and replaced."""
     from importlib.metadata import version
 
     from shardserve.workers.model_source import cache_dir
 
-    name = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}\0{version('transformers')}\0{version('gguf')}".encode())
-    stored = cache_dir() / "gguf-metadata" / f"{name.hexdigest()[:32]}.json"
+    try:
+        digest = _read_header(path, size, mtime_ns).digest
+    except (OSError, GGUFHeaderError):   # transformers' parser says what is wrong with the file
+        return _original_loader(path, return_tensors=False)
+    name = hashlib.sha256(f"{digest}\0{version('transformers')}\0{version('gguf')}".encode()).hexdigest()[:32]
+    stored = cache_dir() / "gguf-metadata" / f"{name}.json"
     try:
         converted = json.loads(stored.read_text())
-        os.utime(stored)   # recently used: kept by the pruning below
-        return converted
     except (OSError, ValueError):
-        pass
+        converted = None
+    if isinstance(converted, dict) and all(isinstance(converted.get(part), dict) for part in _PARTS):
+        try:
+            os.utime(stored)   # recently used: kept by the pruning below (a cache of another owner: not)
+        except OSError:
+            pass
+        return converted
     converted = _original_loader(path, return_tensors=False)
     _store(stored, converted)
     return converted
 
 
-def _store(stored, converted: dict) -> None:
-    """Write ``converted`` to ``stored`` when JSON gives back exactly the same (never a changed
-    type), through a temporary file renamed into place; keep the newest ``METADATA_CACHE_ENTRIES``.
-    A cache that cannot be written is skipped (the next process parses again)."""
+_PARTS = ("config", "tokenizer", "tokenizer_config")   # what transformers' conversion returns, read back
+
+
+def _store(stored: Path, converted: dict) -> None:
+    """Write ``converted`` to ``stored`` (mode 0644) when JSON gives back exactly the same (never a
+    changed type), through a temporary file renamed into place (removed if that fails); keep the
+    newest ``METADATA_CACHE_ENTRIES``. A cache that cannot be written is skipped (the next process
+    parses again)."""
     try:
         text = json.dumps(converted)
         if json.loads(text) != converted:
             return
         stored.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=stored.parent, suffix=".tmp", delete=False) as file:
+            temporary = Path(file.name)
             file.write(text)
-        os.replace(file.name, stored)
+    except (OSError, TypeError, ValueError):
+        return
+    try:
+        temporary.chmod(0o644)
+        os.replace(temporary, stored)
         entries = sorted(stored.parent.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
         for old in entries[METADATA_CACHE_ENTRIES:]:
             old.unlink(missing_ok=True)
-    except (OSError, TypeError, ValueError):
-        pass
+    except OSError:
+        temporary.unlink(missing_ok=True)
 
 
 def _load_gguf_checkpoint_once(gguf_checkpoint_path, return_tensors=False, model_to_load=None, torch_dtype=None):

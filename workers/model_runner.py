@@ -268,7 +268,9 @@ class ModelRunner:
         forward from the disk cache while the weights load (``workers/compilation.py``)."""
         self._plan_rank(meta_model, weight_bytes)
         if self._compiles():
-            config_text = json.dumps(self.hf_config.to_dict(), sort_keys=True, default=repr)
+            config = {name: value for name, value in self.hf_config.to_dict().items()
+                      if name not in ("_name_or_path", "_commit_hash")}   # where the files are, not what
+            config_text = json.dumps(config, sort_keys=True, default=repr)
             self._compile_key = forward_key(meta_model, self.device, config_text)
             self._compile_loading = start_loading(meta_model, self._compile_key)
 

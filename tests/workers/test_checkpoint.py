@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import gguf
 import numpy as np
@@ -255,4 +256,15 @@ def test_gguf_metadata_is_parsed_once_per_process_and_file(tmp_path, monkeypatch
     _converted.cache_clear()   # as in a new process: the conversion comes back from the disk, unparsed
     assert load_config(files).to_dict() == changed.to_dict() and len(parses) == parsed + 1
     assert load_tokenizer(files)("hi hi")["input_ids"] == [30, 29, 30] and len(parses) == parsed + 1
-    assert len(list((tmp_path / "cache" / "gguf-metadata").glob("*.json"))) == 2
+    entries = list((tmp_path / "cache" / "gguf-metadata").glob("*.json"))
+    assert len(entries) == 2
+    copy = tmp_path / "copy" / "tiny.gguf"   # the same file elsewhere: the entry is keyed by the header's bytes
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    assert load_config(ModelFiles("tiny", copy)).to_dict() == {**changed.to_dict(), "_name_or_path": str(copy.parent)}
+    assert len(parses) == parsed + 1
+    for entry in entries:   # JSON, but not a conversion (an old or foreign writer): parsed again, replaced
+        entry.write_text("[]")
+    _converted.cache_clear()
+    assert load_config(files).to_dict() == changed.to_dict() and len(parses) == parsed + 2
+    assert sum(isinstance(json.loads(entry.read_text()), dict) for entry in entries) == 1

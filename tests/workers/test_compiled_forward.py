@@ -196,3 +196,23 @@ def test_two_models_of_one_class_and_other_shapes_compile_apart():
         compiled = CompiledForward(toy)
         torch.testing.assert_close(compiled(ids, positions), toy(ids, positions))
         torch.testing.assert_close(compiled(ids[:1], positions[:1]), toy(ids[:1], positions[:1]))
+
+
+def test_a_compile_cache_that_cannot_be_written_leaves_a_working_compiled_forward(engines, llama, tmp_path,
+                                                                                   monkeypatch, caplog):
+    """``$SHARDSERVE_CACHE/inductor`` not a folder (as a read-only volume: nothing can be made
+    there): a warning, Inductor works in a temporary folder, the forward is compiled and right
+    (it failed at start-up: Inductor could not make its cache folder)."""
+    path, _, _ = llama
+    eager = engines[0]
+    (tmp_path / "inductor").write_text("not a folder")
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
+        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
+                               compile="on"), progress=False)
+    assert "cannot be written" in caplog.text and "not saved" in caplog.text, caplog.text
+    assert not os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
+    for ids in PROMPTS[:2]:
+        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
