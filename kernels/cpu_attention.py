@@ -166,13 +166,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                         and head_dim <= MAX_HEAD_DIM and _rows_ok(query) and k_cache.dtype == torch.bfloat16
                         and v_cache.dtype == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
+    _, tables, width, lens, slots, scratch = step
     stored = (0, 0, 0, 0, 0)
     if slot_mapping is not None:
         if not (_rows_ok(key) and _rows_ok(value) and key.shape[0] == batch and key.shape[1:] == (num_kv, head_dim)
                 and value.shape == key.shape):
             return None
-        stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), step[4])
-    _, tables, width, lens, _, scratch = step
+        stored = (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots)
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
     if _lib.decode_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
                              tables, width, lens, max_seq_len, out.data_ptr(), batch, num_heads, num_kv, head_dim,

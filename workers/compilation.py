@@ -309,7 +309,7 @@ class CompiledForward:
             _ACTIVE_MODULES = outer
 
     @torch.inference_mode()
-    def warm_up(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+    def warm_up(self, block_size: int, device: torch.device) -> None:
         """Trace and compile (or load) now (start-up), on a 2-token step of one sequence in cache
         block 0 (and recurrent-state slot 0): both hold nothing yet, and a request zeroes a state
         slot when it gets it. Every TP rank calls this at the same time (the step holds the
@@ -321,7 +321,7 @@ class CompiledForward:
         from shardserve.workers.step_inputs import DeviceStager, device_batch
 
         input_ids, meta, _ = device_batch(step_batch(StepShape(2, 1, 2, 2, 1), block_size), DeviceStager(device))
-        if getattr(model, "state_layers", list)():
+        if getattr(self.model, "state_layers", list)():
             cu_seqlens = torch.tensor([0, 2], dtype=torch.int32, device=device)
             slots = torch.zeros(1, dtype=torch.int32, device=device)
             meta.state = StateMetadata(cu_seqlens, slots, SeqGroup(None, cu_seqlens, slots), None, keep=False)

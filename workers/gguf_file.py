@@ -185,6 +185,7 @@ _original_loader = None
 
 
 METADATA_CACHE_ENTRIES = 16   # converted files kept on disk (the least recently used beyond are removed)
+_PARTS = ("config", "tokenizer", "tokenizer_config")   # what transformers' conversion returns, read back
 
 
 @functools.lru_cache(maxsize=4)
@@ -218,9 +219,6 @@ def _converted(path: str, size: int, mtime_ns: int) -> dict:
     converted = _original_loader(path, return_tensors=False)
     _store(stored, converted)
     return converted
-
-
-_PARTS = ("config", "tokenizer", "tokenizer_config")   # what transformers' conversion returns, read back
 
 
 def _store(stored: Path, converted: dict) -> None:

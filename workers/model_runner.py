@@ -419,7 +419,7 @@ class ModelRunner:
             return
         self.compiled = CompiledForward(self.model, self._compile_key, self._compile_loading)
         self.forward = self.compiled
-        self.compiled.warm_up(self.model, self.block_size, self.device)
+        self.compiled.warm_up(self.block_size, self.device)
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs on the allocated caches, when this runner uses them (again

@@ -27,6 +27,7 @@ from shardserve.cluster.llm import LLM  # noqa: E402
 from shardserve.workers.compilation import CompiledForward, compile_stats, use_compile  # noqa: E402
 
 THREADS = 1
+ENGINE_ARGS = dict(dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8)
 PROMPTS = [[0, 5, 9, 17, 33, 2], [0, 44], [0] + list(range(3, 40)), [0, 7, 7, 7, 8]]
 
 
@@ -51,7 +52,7 @@ def engines(llama):
     torch.set_num_threads(THREADS)
     torch._dynamo.reset()
     try:
-        args = dict(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8)
+        args = dict(model=str(path), **ENGINE_ARGS)
         eager = LLM(EngineArgs(**args), progress=False)
         before = compile_stats()
         compiled = LLM(EngineArgs(**args, compile="on"), progress=False)
@@ -120,23 +121,32 @@ def test_fifty_steps_of_every_batch_size_compile_once(engines):
     assert compile_stats() == after_start, "a step recompiled the forward"
 
 
+def rebuild_compiled(path, caplog) -> tuple[LLM, dict, dict]:
+    """A new compiled engine on the tiny Llama after Dynamo's in-memory state is dropped, the
+    compilation log captured: ``(engine, compile_stats() before, after)``."""
+    torch._dynamo.reset()
+    before = compile_stats()
+    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
+        again = LLM(EngineArgs(model=str(path), **ENGINE_ARGS, compile="on"), progress=False)
+    return again, before, compile_stats()
+
+
+def assert_same_logits(engine: LLM, eager: LLM) -> None:
+    for ids in PROMPTS[:2]:
+        assert (engine.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+
+
 def test_second_build_loads_the_compiled_forward_from_the_disk_cache(engines, llama, caplog):
     """A new engine after Dynamo's in-memory state is dropped loads the saved compiled forward: no
     trace, no kernel build (new module objects: the forward takes the model as an argument). Runs
     after the tests that use the module's compiled engine."""
     path, _, _ = llama
     eager = engines[0]
-    torch._dynamo.reset()
-    before = compile_stats()
-    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
-        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
-                               compile="on"), progress=False)
-    after = compile_stats()
+    again, before, after = rebuild_compiled(path, caplog)
     assert after["loads"] == before["loads"] + 1 and after["traces"] == before["traces"], (before, after)
     assert after["cache_misses"] == before["cache_misses"], after
     assert "(loaded from the compile cache)" in caplog.text
-    for ids in PROMPTS[:2]:
-        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+    assert_same_logits(again, eager)
 
 
 def test_a_compiled_forward_that_does_not_load_is_compiled_again_and_replaced(engines, llama, caplog):
@@ -147,16 +157,10 @@ def test_a_compiled_forward_that_does_not_load_is_compiled_again_and_replaced(en
     saved = list((cache / "inductor").glob("forward-*.bin"))
     assert len(saved) == 1, saved
     saved[0].write_bytes(saved[0].read_bytes()[:1000])
-    torch._dynamo.reset()
-    before = compile_stats()
-    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
-        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
-                               compile="on"), progress=False)
-    after = compile_stats()
+    again, before, after = rebuild_compiled(path, caplog)
     assert "does not load" in caplog.text and after["traces"] == before["traces"] + 1, caplog.text
     assert after["loads"] == before["loads"] and saved[0].stat().st_size > 1000
-    for ids in PROMPTS[:2]:
-        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+    assert_same_logits(again, eager)
 
 
 @pytest.mark.slow
@@ -208,11 +212,7 @@ def test_a_compile_cache_that_cannot_be_written_leaves_a_working_compiled_forwar
     (tmp_path / "inductor").write_text("not a folder")
     monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="shardserve.workers.compilation"):
-        again = LLM(EngineArgs(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8,
-                               compile="on"), progress=False)
+    again, _, _ = rebuild_compiled(path, caplog)
     assert "cannot be written" in caplog.text and "not saved" in caplog.text, caplog.text
     assert not os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
-    for ids in PROMPTS[:2]:
-        assert (again.core.prompt_logits(ids) - eager.core.prompt_logits(ids)).abs().max().item() < 1e-4
+    assert_same_logits(again, eager)
