@@ -11,9 +11,11 @@ call k+2 after every rank started call k+1, i.e. finished reading call k.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -25,6 +27,9 @@ from shardserve.workers.distributed import TensorParallelGroup
 
 _FLAG_STRIDE = 8          # int64s between flags: one 64-byte cache line each
 _SPIN_BEFORE_YIELD = 200  # polls before giving the core away (2 ranks may share 2 cores with others)
+_CLOSE_WAIT_S = 30.0      # how long close() waits for a collective in progress on another thread
+
+logger = logging.getLogger(__name__)
 
 
 class GlooGroup(TensorParallelGroup):
@@ -100,7 +105,14 @@ class SharedMemoryGroup(TensorParallelGroup):
         timeout_s: give up waiting for a peer after this long (it died or is stuck).
 
     Raises (from collectives):
-        RuntimeError: the coordinator raised the abort word, or a peer did not arrive in time.
+        RuntimeError: the coordinator raised the abort word, a peer did not arrive in time, or the
+            group is closed.
+
+    Every collective holds the group's lock while it reads the segment, and :meth:`close` takes it
+    before unmapping: a rank leaves its group from another thread than its step's (the step may be
+    stuck on a dead peer), and numpy does not pin a buffer it views (``SharedMemory.close`` unmaps
+    under live views), so without the lock a step still summing the slots read unmapped memory
+    (a SIGSEGV in ``all_reduce`` when the draft worker was killed mid-step).
     """
 
     def __init__(self, tp_rank: int, tp_size: int, name: str, max_floats: int, timeout_s: float = 300.0) -> None:
@@ -112,6 +124,7 @@ class SharedMemoryGroup(TensorParallelGroup):
         self._slots = torch.from_numpy(data)
         self.max_floats, self.timeout_s = max_floats, timeout_s
         self._call = 0
+        self._in_use = threading.Lock()
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         num = tensor.numel()
@@ -122,18 +135,21 @@ class SharedMemoryGroup(TensorParallelGroup):
         """Each rank publishes its rows for every destination; each reads only the rows meant for
         it from every slot (float32 payloads)."""
         width = math.prod(send.shape[1:])
-        slots = self._publish(send.float())
-        me, parts = self.tp_rank, []
-        for source, row in enumerate(counts):
-            start = sum(row[:me]) * width
-            parts.append(slots[source, start:start + row[me] * width].view(row[me], *send.shape[1:]))
-        return torch.cat(parts).to(send.dtype)
+        with self._in_use:
+            slots = self._publish(send.float())
+            me, parts = self.tp_rank, []
+            for source, row in enumerate(counts):
+                start = sum(row[:me]) * width
+                parts.append(slots[source, start:start + row[me] * width].view(row[me], *send.shape[1:]))
+            return torch.cat(parts).to(send.dtype)
 
     def _publish(self, tensor: torch.Tensor) -> torch.Tensor:
         """Copy ``tensor`` into this rank's slot, raise its flag, wait until every rank has;
         returns the slot set ``[tp_size, max_floats]`` (valid until the call after next)."""
         num = tensor.numel()
         assert num <= self.max_floats, f"collective of {num} floats exceeds the {self.max_floats}-float slot"
+        if self._shm is None:
+            raise RuntimeError("shared-memory collective on a closed group")
         self._call += 1
         slots = self._slots[self._call % 2]
         slots[self.tp_rank, :num].copy_(tensor.reshape(-1))
@@ -153,29 +169,42 @@ class SharedMemoryGroup(TensorParallelGroup):
         return slots
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(tensor.float())
-        out = parts[0].clone()
-        for part in parts[1:]:
-            out += part  # rank order on every rank: bitwise-identical sums
+        with self._in_use:
+            parts = self._exchange(tensor.float())
+            out = parts[0].clone()
+            for part in parts[1:]:
+                out += part  # rank order on every rank: bitwise-identical sums
         return out.to(tensor.dtype)
 
     def _all_gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [part.clone().to(tensor.dtype) for part in self._exchange(tensor.float())]
+        with self._in_use:
+            return [part.clone().to(tensor.dtype) for part in self._exchange(tensor.float())]
 
     def _reduce_scatter_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank publishes its whole ``[tp_size, ...]`` buffer; each sums only its own part,
         in rank order (1/tp_size of an all-reduce's additions)."""
-        parts = self._exchange(tensor.float())
-        out = parts[0][self.tp_rank].clone()
-        for part in parts[1:]:
-            out += part[self.tp_rank]
+        with self._in_use:
+            parts = self._exchange(tensor.float())
+            out = parts[0][self.tp_rank].clone()
+            for part in parts[1:]:
+                out += part[self.tp_rank]
         return out.to(tensor.dtype)
 
-    def close(self) -> None:
-        if self._shm is not None:
-            del self._flags, self._slots
-            self._shm.close()
-            self._shm = None
+    def close(self, timeout_s: float = _CLOSE_WAIT_S) -> None:
+        """Unmap the segment once no collective reads it; from any thread. A collective stuck on a
+        dead peer ends when the coordinator raises the abort word; if one is still running after
+        ``timeout_s`` seconds, the mapping is left to the process's exit (logged). Idempotent."""
+        if not self._in_use.acquire(timeout=timeout_s):
+            logger.warning("rank %d: a shared-memory collective still runs after %.0f s; its segment stays "
+                           "mapped until this process exits", self.tp_rank, timeout_s)
+            return
+        try:
+            if self._shm is not None:
+                del self._flags, self._slots
+                self._shm.close()
+                self._shm = None
+        finally:
+            self._in_use.release()
 
 
 class SharedMemorySegment:

@@ -157,13 +157,10 @@ class ShardWorker(StepHost, ReloadableRank):
     def leave_group(self) -> None:
         """Close this rank's collective communicator (a peer was replaced; :meth:`init_group` joins
         the new one). Not on the torch thread: that one may still be inside a collective with the
-        dead peer."""
+        dead peer (a shared-memory group waits for that collective to end before it unmaps)."""
         for group in (self.group, self.expert_group):
             if group is not None:
-                try:
-                    group.close()
-                except BufferError:   # a tensor still views the old shared memory; it goes with the process
-                    pass
+                group.close()
         self.group = self.expert_group = None
 
     def shutdown(self) -> None:

@@ -112,6 +112,42 @@ def test_abort_unblocks_a_rank_waiting_for_a_dead_peer_after_the_name_is_gone():
     assert proc.exitcode == 0 and "aborted" in result
 
 
+def test_close_from_another_thread_waits_for_the_collective_reading_the_segment():
+    """A rank leaves its group from a Ray thread while its step may still be inside a collective
+    (the draft worker or a peer died mid-step). The segment is unmapped only once that collective
+    has ended: before, it was unmapped under the step's views of the slots (SIGSEGV in all_reduce)."""
+    import threading
+
+    segment = SharedMemorySegment(2, max_floats=16)
+    group = SharedMemoryGroup(0, 2, segment.name, max_floats=16)
+    errors = []
+
+    def step():   # rank 0's all-reduce; rank 1 died and never arrives
+        try:
+            group.all_reduce(torch.ones(4))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    try:
+        while _flag(segment, 0) == 0:   # rank 0 has published and waits for rank 1
+            thread.join(0.001)
+        group.close(timeout_s=0.2)      # the collective still runs: the segment stays mapped
+        assert group._shm is not None and thread.is_alive()
+        segment.abort()                 # what the coordinator does before the ranks leave
+        group.close()
+        thread.join(30)
+        assert not thread.is_alive() and errors and "aborted" in errors[0] and group._shm is None
+        with pytest.raises(RuntimeError, match="closed group"):
+            group.all_reduce(torch.ones(4))
+    finally:
+        segment.abort()
+        thread.join(30)
+        group.close()
+        segment.close()
+
+
 def _flag(segment: SharedMemorySegment, rank: int) -> int:
     import numpy as np
 
