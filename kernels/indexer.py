@@ -180,6 +180,10 @@ def _keys(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 # The reference's score tiles ([rows, H, keys] and their weighted sum) hold a quarter of the
 # workspace each, beside the chunk's logits: at most 7 bytes per workspace element in all.
 _TILE_ELEMENTS = WORKSPACE_ELEMENTS // 4
+# Runs of at most this many rows of one sequence (an MTP verify step's 1 + k rows, a mixed step's
+# decode rows) are scored together, each row gathering its own keys as decode rows do: one loop
+# per run was the larger part of a batch-32 verify step of the demo model on CPU (issue 31).
+SHORT_SEGMENT_ROWS = 8
 
 
 def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -193,9 +197,11 @@ def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         q, weights, k_cache, block_tables, q_scale: see :func:`indexer_scores_ref` (``R`` rows).
         token_seq, token_pos: ``[R]`` sequence and position of each row.
         width: logit columns.
-        segments: ``(first_row, end_row, seq, num_keys)`` runs of rows sharing a sequence (their
-            keys ``0..num_keys-1`` gathered once per tile), in step rows: the first run starts at
-            row 0 of ``q``; None: every row has its own sequence (decode), keys gathered per row.
+        segments: ``(first_row, end_row, seq, num_keys)`` runs of rows sharing a sequence, in step
+            rows (the first run starts at row 0 of ``q``): a run of more than
+            :data:`SHORT_SEGMENT_ROWS` rows gathers its keys ``0..num_keys-1`` once per tile, the
+            shorter ones are scored together, each row gathering its own keys; None: every row has
+            its own sequence (decode).
 
     Returns:
         ``[R, width]`` float32, ``-inf`` after each row's position.
@@ -208,17 +214,17 @@ def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     # Every column is written below or lies after its row's position (masked at the end).
     logits = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
     if segments is None:                                               # decode: one sequence per row
-        tile = max(block_size, _TILE_ELEMENTS // max(1, num_rows * max(num_heads, head_dim)))
-        for lo in range(0, width, tile):
-            pos = torch.arange(lo, min(lo + tile, width), device=q.device)
-            slots = block_tables[token_seq[:, None], pos // block_size].long() * block_size + pos % block_size
-            keys = _keys(cache_rows[slots], head_dim)                                       # [R, N, D]
-            scores = torch.einsum("rhd,rnd->rhn", q, keys).relu_()
-            logits[:, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights, scores)
+        _score_own_keys(q, weights, cache_rows, block_tables, token_seq, block_size, logits)
     else:
         base = segments[0][0] if segments else 0
+        short = [s for s in segments if 0 < s[1] - s[0] <= SHORT_SEGMENT_ROWS]
+        if short:                                                       # verify rows, a mixed step's decodes
+            rows = torch.cat([torch.arange(first - base, end - base) for first, end, _, _ in short]).to(q.device)
+            part = logits.new_empty(rows.numel(), min(width, max(num_keys for _, _, _, num_keys in short)))
+            _score_own_keys(q[rows], weights[rows], cache_rows, block_tables, token_seq[rows], block_size, part)
+            logits[rows, :part.shape[1]] = part
         for first, end, seq, num_keys in segments:
-            if end == first:
+            if end - first <= SHORT_SEGMENT_ROWS:
                 continue
             rows = slice(first - base, end - base)
             seq_width = min(width, num_keys)                                # causal: no key after the last row
@@ -231,6 +237,29 @@ def score_rows_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
                 logits[rows, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights[rows], scores)
     positions = torch.arange(width, device=q.device)
     return logits.masked_fill_(positions[None, :] > token_pos[:, None], float("-inf"))
+
+
+def _score_own_keys(q: torch.Tensor, weights: torch.Tensor, cache_rows: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, block_size: int, out: torch.Tensor) -> None:
+    """Logits of rows that each gather their own sequence's keys ``0..width-1`` into ``out``
+    (decode rows, and the short runs of a verify or mixed step scored as if they were decode rows;
+    columns after a row's position get scores of whatever the block table points at: the caller
+    masks them).
+
+    Args:
+        q: ``[R, H, D]`` float32; weights: ``[R, H]`` float32; cache_rows: ``[slots, row bytes or D]``
+            the key cache by slot; token_seq: ``[R]`` each row's sequence (its block-table row).
+        out: ``[R, width]`` float32, written.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    width = out.shape[1]
+    tile = max(block_size, _TILE_ELEMENTS // max(1, num_rows * max(num_heads, head_dim)))
+    for lo in range(0, width, tile):
+        pos = torch.arange(lo, min(lo + tile, width), device=q.device)
+        slots = block_tables[token_seq[:, None], pos // block_size].long() * block_size + pos % block_size
+        keys = _keys(cache_rows[slots], head_dim)                                           # [R, N, D]
+        scores = torch.einsum("rhd,rnd->rhn", q, keys).relu_()
+        out[:, lo:lo + pos.numel()] = torch.einsum("rh,rhn->rn", weights, scores)
 
 
 def select_topk(logits: torch.Tensor, topk: int, sink: int = 0, *, consume: bool = False) -> torch.Tensor:

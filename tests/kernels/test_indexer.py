@@ -115,11 +115,16 @@ def per_token_logits(q, weights, keys, seq_lens, query_lens, width) -> torch.Ten
     return naive
 
 
-def test_indexer_reference_matches_per_token_loop():
-    seq_lens, query_lens = [18, 33], [3, 4]
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([18, 33], [3, 4]),                    # verify rows only: every run short, scored as decode rows
+    ([40, 9, 21, 50], [12, 1, 3, 9]),      # a mixed step: prefill chunks (> 8 rows) beside short runs
+    ([24], [24]),                          # one prefill
+], ids=["short-runs", "mixed", "prefill"])
+def test_indexer_reference_matches_per_token_loop(seq_lens, query_lens):
     q, weights, k_cache, block_tables, lens, qsl, keys = build(16, seq_lens, query_lens, 3, 16, torch.float32)
-    logits = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, 33)
-    torch.testing.assert_close(logits.double(), per_token_logits(q, weights, keys, seq_lens, query_lens, 33),
+    width = max(seq_lens)
+    logits = indexer_scores_ref(q, weights, k_cache, block_tables, lens, qsl, width)
+    torch.testing.assert_close(logits.double(), per_token_logits(q, weights, keys, seq_lens, query_lens, width),
                                atol=1e-5, rtol=1e-5)
 
 # ---- fp8 key cache (DeepSeek-V3.2 format: e4m3 values + a power-of-two float32 scale per 128 dims)
