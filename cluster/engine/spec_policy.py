@@ -20,7 +20,11 @@ Cost (seconds, fitted online by least squares with exponential forgetting):
   requests): ``T(B, P) = a + b * B + p * P``; the decisions compare decode steps, ``T(B) = T(B, 0)``;
 - a verify step: ``T(B, P) + J + v * (extra rows)``, its extra over a plain step of the same shape
   (``J``: fixed cost, e.g. no decode graph; ``v``: per verified draft token);
-- a draft pass: ``D0 + D1 * depth + D2 * (rows of the chained steps) + D3 * (cache entries)``.
+- a draft pass: ``D0 + D1 * depth + D2 * (rows of the chained steps) + D3 * (cache entries)``;
+- a verified draft costs no less than ``b``, what one more decoding request adds to a plain step
+  (:meth:`AdaptivePolicy._row_s`), and the plain rate drafting must beat is that of the batch the
+  scheduler's held requests will form, when higher than the decoding requests' own
+  (:meth:`AdaptivePolicy._plain_share`).
 
 Each step the policy compares staying plain with drafting at every depth ``1..K`` (per request
 the depth is cut where ``prod c_i`` falls below what a draft token costs at the plain rate) and
@@ -94,6 +98,7 @@ COLD_RECHECK = 8             # steps a cold decision of depths() stands (stays_c
 MAX_COLD_RECHECK = 64        # ... doubled by each cold decision in a row at the batch size, up to this
 DECODE_ONLY_DECAY = 0.9      # per decode-carrying step: the share of decode-only steps at a batch size follows
 EVIDENCE_SHARE = 0.25        # ... the last ~10; above this share its realized rates will come (see _pays_at)
+MIN_BATCH_SPREAD = 1.0       # std of the plain steps' batch sizes before the plain fit's slope is a measurement
 ANY_DEPTH = -1               # the ledger of every drafting step the fits (or a probe) chose, whatever its depth
 
 
@@ -135,6 +140,16 @@ class LinearFit:
 
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.w, x))
+
+    def spread(self, index: int) -> float:
+        """Standard deviation of regressor ``index`` over the (forgotten) observations, the first
+        regressor being the constant 1: 0 where it never varied and its weight is the ridge's split
+        of the constant's, not a measurement."""
+        total = self.xx[0][0]
+        if total <= 0.0:
+            return 0.0
+        mean = self.xx[0][index] / total
+        return max(self.xx[index][index] / total - mean * mean, 0.0) ** 0.5
 
     def observe(self, x: list[float], y: float) -> None:
         size, f = len(self.prior), self.forget
@@ -276,7 +291,7 @@ class FixedPolicy:
     def stays_cold(self, num_seqs: int) -> bool:
         return False
 
-    def depths(self, candidates: list[Candidate], in_flight: int = 0) -> list[int]:
+    def depths(self, candidates: list[Candidate], in_flight: int = 0, batch_after: int = 0) -> list[int]:
         return [min(self.max_depth, c.max_depth) for c in candidates]
 
     def observe_step(self, num_seqs: int, prompt_tokens: int, num_drafts: int, seconds: float) -> None:
@@ -531,8 +546,9 @@ class AdaptivePolicy(FixedPolicy):
         self.chosen = self.drafting_steps = 0
         return True
 
-    def depths(self, candidates: list[Candidate], in_flight: int = 0) -> list[int]:
-        """Each candidate's drafts for the next step (0: none); updates the warm/cold state. No
+    def depths(self, candidates: list[Candidate], in_flight: int = 0, batch_after: int = 0) -> list[int]:
+        """Each candidate's drafts for the next step (0: none); updates the warm/cold state.
+        ``batch_after``: the decoding batch the held requests will form (see :meth:`_plain_share`). No
         candidates while cold: a step sent ahead (async scheduling) is in flight with ``in_flight``
         decoding requests, one more cold step at their batch size. (Counted at the bucket of the
         last decision instead, a served replica that went cold during a burst of 12 streams
@@ -577,9 +593,9 @@ class AdaptivePolicy(FixedPolicy):
             return [min(depth, c.max_depth) for c in candidates]
         self.exploring = False
         reach = [self._reach_of(c) for c in candidates]                                # prod c_i per depth
-        plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
+        plain_s = self._plain_share(num_seqs, batch_after)
         plain_rate = num_seqs / plain_s
-        per_token = max(self.verify.w[1] + self.draft.w[2], 0.0)                       # one more draft token
+        per_token = max(self._row_s() + self.draft.w[2], 0.0)                         # one more draft token
         floor = per_token * plain_rate                                                 # tokens it must bring
         best_rate, best = DRAFT_MARGIN * plain_rate, [0] * num_seqs
         paying = [_cut(r, len(r), floor) for r in reach]     # reach falls with depth: a cut is a prefix
@@ -621,6 +637,19 @@ class AdaptivePolicy(FixedPolicy):
             self.drafting_steps = 0
         self.chosen = max(best)
         return best
+
+    def _plain_share(self, num_seqs: int, batch_after: int) -> float:
+        """Seconds that ``num_seqs`` plain decode tokens are worth: ``T(B)``, or their share of a
+        plain step of the ``batch_after`` requests the scheduler holds if that runs at a higher
+        rate (``B T(N) / N``). Every request held waits while a step drafts, so drafting must buy
+        tokens at the rate of the batch they will decode in, not of the few that decode now: while
+        32 prompts of the demo model prefilled beside 2..30 decoding requests, drafting at depth 3
+        paid against their own small batch's rate and lost against the batch-32 rate that followed
+        (+360 ms of a 1.75 s run, 0.92-0.98x of k = 0; issue 31)."""
+        plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
+        if batch_after > num_seqs:
+            plain_s = min(plain_s, num_seqs * max(self.plain.predict([1.0, float(batch_after), 0.0]), 1e-6) / batch_after)
+        return plain_s
 
     def _short_of_room(self) -> bool:
         """A step that drafts nothing because every request is within ``K`` tokens of its end
@@ -683,6 +712,21 @@ class AdaptivePolicy(FixedPolicy):
             return None
         return drafting.rate() / max(plain.rate(), 1e-9)
 
+    def _row_s(self) -> float:
+        """Seconds a verified draft adds to a step: the verify fit's ``v``, but no less than the
+        plain fit's ``b``, what one more decoding request adds to a plain step (a verified draft is
+        one more query row of the same kind). Fitted over a run's batch sizes, ``v`` averages cheap
+        rows of small batches with dear ones of large ones: at batch 32 of the demo model it read
+        0.16 ms a row where a verify step of 32 x 2 drafts paid 0.30 ms a row (``b``: 0.23 ms), and
+        the policy drafted there at 0.92-0.97x of k = 0 (issue 31). On a GPU at small batches ``b``
+        is small (decode is memory-bound), and so is the floor. Only where the plain steps' batch
+        sizes varied (``MIN_BATCH_SPREAD``) does ``b`` measure anything: at a steady batch of 1 the
+        fit splits ``T(1)`` between ``a`` and ``b``, and a floor of ``T(1) / 2`` a row stopped all
+        drafting at batch 1."""
+        if self.plain.spread(1) < MIN_BATCH_SPREAD:
+            return self.verify.w[1]
+        return max(self.verify.w[1], self.plain.w[1])
+
     def _rate(self, choice: list[int], reach: list[list[float]], num_seqs: int, plain_s: float,
               prompt_tokens: int = 0) -> float:
         """Expected tokens per second of a step drafting ``choice`` (per request), whose draft pass
@@ -692,7 +736,7 @@ class AdaptivePolicy(FixedPolicy):
         depth = max(choice)
         chain_rows = sum(sum(1 for d in choice if d > step) for step in range(1, depth))
         entries = num_seqs + sum(sum(r[:d]) for r, d in zip(reach, choice)) + prompt_tokens
-        seconds = (plain_s + max(self.verify.predict([1.0, float(extra)]), 0.0)
+        seconds = (plain_s + max(self.verify.w[0] + self._row_s() * extra, 0.0)
                    + max(self.draft.predict([1.0, float(depth), float(chain_rows), entries]), 0.0))
         return tokens / max(seconds, 1e-6)
 

@@ -257,7 +257,8 @@ class Speculator:
             return dict.fromkeys((r.request_id for r in decoding), 0)
         candidates = [Candidate(r.request_id, self._num_drafts(core, r)) for r in decoding]
         in_flight = 0 if decoding else _step_shape(batch.plan)[0]   # all in the step sent ahead
-        return {c.req_id: depth for c, depth in zip(candidates, self.policy.depths(candidates, in_flight))}
+        batch_after = min(core.scheduler.num_unfinished, core.scheduler.config.max_num_seqs)
+        return {c.req_id: depth for c, depth in zip(candidates, self.policy.depths(candidates, in_flight, batch_after))}
 
     def build(self, core: EngineCore, batch: ScheduledBatch, result: StepResult) -> DraftBatch | None:
         """The draft worker's work after ``core.update(batch, result)``; allocates the blocks the

@@ -511,3 +511,46 @@ def test_steps_sent_ahead_count_as_cold_steps_of_their_own_batch_size():
             break
         assert policy.depths([], in_flight=1) == []
     assert probe_after is not None and probe_after <= policy.probe_intervals.get(0, spec_policy.MIN_PROBE_INTERVAL)
+
+
+def _measured_policy(batches: list[int], a=0.005, b=0.0005, j=0.0005, v=0.0001) -> AdaptivePolicy:
+    """An adaptive policy that has measured plain steps ``a + b B`` at ``batches`` (in turn), verify
+    steps adding ``j + v`` per draft (1, 2, 3 drafts a request in turn), draft passes, and requests ``r0..r31`` accepting their first,
+    second and third drafts at 0.6, 0.67, 0.5 (0, 1, 2, 3, 0 drafts accepted in turn)."""
+    policy = AdaptivePolicy(3)
+    for step in range(60):
+        num = batches[step % len(batches)]
+        policy.observe_step(num, 0, 0, a + b * num)
+        depth = 1 + step % 3
+        policy.verify.observe([1.0, float(depth * num)], j + v * depth * num)
+        policy.draft.observe([1.0, float(depth), float((depth - 1) * num), float(2 * num)],
+                             0.0005 + 0.0008 * depth + 0.0001 * (depth - 1) * num)
+    for req in range(32):
+        for turn in range(20):
+            policy.observe_acceptance(f"r{req}", 3, [0, 1, 2, 3, 0][turn % 5])
+    return policy
+
+
+def test_a_verified_draft_costs_no_less_than_a_decoding_request():
+    """The verify fit's slope averages cheap rows of small batches with dear ones of large batches
+    (the demo model on CPU: 0.16 ms a row fitted, 0.30 ms paid at batch 32, where the policy then
+    drafted at 0.92-0.97x of k = 0): a draft row is priced at least at the plain fit's ``b``, what a
+    decoding request adds to a step, where the plain steps' batch sizes varied enough to measure it."""
+    varied = _measured_policy([4, 8, 16, 32])
+    assert abs(varied.plain.w[1] - 0.0005) < 2e-5 and abs(varied.verify.w[1] - 0.0001) < 2e-5
+    assert abs(varied._row_s() - 0.0005) < 2e-5
+    assert not any(varied.depths([Candidate(f"r{i}", 3) for i in range(32)]))   # pays only at v's price
+    steady = _measured_policy([1])          # a and b cannot be told apart: b is the ridge's half of T(1)
+    assert steady.plain.spread(1) == 0.0 and abs(steady._row_s() - 0.0001) < 2e-5
+    assert any(steady.depths([Candidate("r0", 3)]))
+
+
+def test_drafting_is_weighed_against_the_rate_of_the_batch_the_held_requests_will_form():
+    """Four requests decode while 28 more prefill: a draft that pays at batch 4's rate delays all 32,
+    so it must pay at batch 32's (the demo model's batch-32 prefill phase drafted at depth 3 for its
+    first decoders: +360 ms of a 1.75 s run; issue 31)."""
+    policy = _measured_policy([4, 8, 16, 32], a=0.01, b=0.0002)
+    four = [Candidate(f"r{i}", 3) for i in range(4)]
+    assert any(policy.depths(four))                       # alone, batch 4 drafts
+    assert not any(policy.depths(four, batch_after=32))   # beside 28 requests about to decode, it does not
+    assert any(policy.depths(four, batch_after=4))
