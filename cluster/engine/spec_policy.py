@@ -89,7 +89,8 @@ SHORT_IDLE_LIMIT = 8         # ... not counting up to this many whose requests h
 MIN_PROBE_INTERVAL = 64      # cold steps between explorations of a batch-size bucket, at first
 MAX_PROBE_INTERVAL = 1024    # ... and at most (doubled by each probe, reset where drafting paid)
 LEDGER_DECAY = 0.98          # per observation: the realized rates follow the last ~50 steps of a kind
-LEDGER_MIN = 16              # realized steps of both kinds (in a batch bucket) before they can veto drafting
+LEDGER_MIN = 16              # realized drafting steps (in a batch bucket) before they can veto drafting,
+PLAIN_LEDGER_MIN = 8         # ... against this many plain ones (alike: no acceptance varies their yield)
 LEDGER_VETO = 0.97           # realized drafting / plain rate below which drafting is vetoed (noise margin)
 BRIEF_DRAFTING_MIN = 8       # ... or, on fewer steps (a batch size visited briefly: a run's tail), drafting
 BRIEF_PLAIN_MIN = 4          # steps and plain steps at least these many, and the ratio below BRIEF_VETO
@@ -677,7 +678,7 @@ class AdaptivePolicy(FixedPolicy):
     def _vetoed(self, num_seqs: int, depth: int) -> bool:
         """Whether this batch size's realized drafting steps at ``depth``, or at all depths (those
         the fits chose, with the draft pass after each), returned fewer tokens per second than its
-        plain ones (both measured, ``LEDGER_MIN`` steps each; ``LEDGER_VETO`` absorbs the noise of
+        plain ones (both measured, ``LEDGER_MIN`` / ``PLAIN_LEDGER_MIN`` steps; ``LEDGER_VETO`` absorbs the noise of
         ~50 steps), or on fewer steps at a wider margin (:meth:`_brief_ratio`): the fits' estimate
         is then wrong somewhere, and what was measured wins. Each probe of the batch size halves
         what its drafting steps returned (:meth:`_Realized.halve`) and adds its own step, so a
@@ -701,21 +702,26 @@ class AdaptivePolicy(FixedPolicy):
         return drafting.rate() / max(plain.rate(), 1e-9)
 
     def _plain_unmeasured(self, num_seqs: int) -> bool:
-        """Whether this batch size has ``LEDGER_MIN`` realized drafting steps but fewer plain decode
-        steps, so that the realized rates cannot judge drafting yet. While the fits keep choosing to
-        draft, plain steps come only as every 34th (a re-measuring step): at batch 32 of the demo
-        model the policy drafted for whole runs at 0.62x of its plain rate with no veto, for want of
-        plain steps to compare with (issue 31)."""
+        """Whether this batch size has ``LEDGER_MIN`` realized drafting steps but fewer than
+        ``PLAIN_LEDGER_MIN`` plain decode steps, so that the realized rates cannot judge drafting
+        yet. While the fits keep choosing to draft, plain steps come only as every 34th (a
+        re-measuring step): at batch 32 of the demo model the policy drafted for whole runs at 0.62x
+        of its plain rate with no veto, for want of plain steps to compare with (issue 31). The plain
+        steps taken for it give up a drafting step's gain each: 16 of them (the first version) cost
+        a batch-8 run of the demo model ~10 %, and plain steps, whose yield no acceptance varies,
+        need fewer to measure."""
         ledger = self.realized.get(_bucket(num_seqs), {})
         drafting, plain = ledger.get(ANY_DEPTH), ledger.get(0)
-        return drafting is not None and drafting.count >= LEDGER_MIN and (plain is None or plain.count < LEDGER_MIN)
+        return (drafting is not None and drafting.count >= LEDGER_MIN
+                and (plain is None or plain.count < PLAIN_LEDGER_MIN))
 
     def _realized_ratio(self, num_seqs: int, depth: int = ANY_DEPTH) -> float | None:
         """Realized tokens per second of drafting at ``depth`` (``ANY_DEPTH``: every drafting step)
-        over plain steps at this batch size; None until both have ``LEDGER_MIN`` steps."""
+        over plain steps at this batch size; None until there are ``LEDGER_MIN`` drafting and
+        ``PLAIN_LEDGER_MIN`` plain steps."""
         ledger = self.realized.get(_bucket(num_seqs), {})
         plain = ledger.get(0)
-        if plain is None or plain.count < LEDGER_MIN:
+        if plain is None or plain.count < PLAIN_LEDGER_MIN:
             return None
         drafting = ledger.get(depth)
         if drafting is None or drafting.count < LEDGER_MIN:

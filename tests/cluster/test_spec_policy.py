@@ -460,7 +460,7 @@ def test_prompts_wait_for_realized_rates_where_decode_only_steps_will_bring_them
     assert policy._realized_ratio(32) is None
     assert not policy.wants_hidden(0, 64, batch_after=32) and not policy.caches_prompts(32)
     assert policy.wants_hidden(0, 64, batch_after=1) and policy.caches_prompts(1)   # realized: it pays
-    policy.realized[spec_policy._bucket(1)][0].count = spec_policy.LEDGER_MIN - 1
+    policy.realized[spec_policy._bucket(1)][0].count = spec_policy.PLAIN_LEDGER_MIN - 1
     assert policy._realized_ratio(1) is None and policy.wants_hidden(0, 64, batch_after=1)   # drafting realized
     for _ in range(20):                                             # batch 32 only ever beside prompt chunks
         policy.observe_step(32, 64, 0, 0.05)
