@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.kernels.fused_moe import PAIRWISE_CHUNK_BYTES, PAIRWISE_MAX_TOKENS
+from shardserve.kernels.indexer import SHORT_SEGMENT_ROWS
 from shardserve.kernels.mla_attention import absorbed_ref_tiles
 from shardserve.kernels.mla_prefill import expanded_chunk_keys, expanded_is_cheaper
 from shardserve.kernels.workspace import WORKSPACE_ELEMENTS, plan_row_chunks
@@ -158,7 +159,8 @@ def _indexer(indexer, shape: StepShape, hidden: int, d: int, top_k: int, triton:
     :func:`kernels.indexer.indexer_topk`: one bounded chunk of rows at a time
     (:func:`kernels.workspace.plan_row_chunks`), its float32 logits and their top-k; Triton keeps
     the sort's workspace of ``torch.topk`` over the chunk (values and int64 indices), the reference
-    its score tiles (a quarter of the workspace each) and the causal mask."""
+    its score tiles (a quarter of the workspace each; short runs of rows gather each row's own keys,
+    :func:`_short_rows`) and the causal mask."""
     t, s, heads, dim = shape.num_tokens, shape.max_seq_len, indexer.num_heads, indexer.head_dim
     q = _n(t, heads, dim)
     # Phase 1, q and k made: projections and RoPE (a rotated part and the concatenation), then the
@@ -185,7 +187,25 @@ def _indexer(indexer, shape: StepShape, hidden: int, d: int, top_k: int, triton:
     tile = _n(seg_rows, heads, keys)
     work = _n(rows, heads, dim) * 4 + _n(rows, heads) * 4 + logits * (4 + 1) + _n(s) * 8 * 6
     gathered = _n(seg_rows if shape.max_query_len == 1 else 1, keys, dim) * (4 + d) + _n(keys) * 8 * 6
-    return max(made, total + work + tile * 4 + _n(seg_rows, keys) * 4 + gathered + topk)
+    scoring = tile * 4 + _n(seg_rows, keys) * 4 + gathered
+    short = _short_rows(shape, rows)
+    if short:   # short runs scored together: their rows' q, weights and logits, each row's own keys
+        keys = min(s, max(1, WORKSPACE_ELEMENTS // 4 // (short * heads)))
+        copies = _n(short) * 8 * 3 + _n(short, heads, dim) * 4 + _n(short, heads) * 4 + _n(short, s) * 4
+        tiles = _n(short, keys) * (8 * 4 + 4) + _n(short, keys, dim) * (4 + d) + _n(short, heads, keys) * 4
+        scoring = max(scoring, copies + tiles)
+    return max(made, total + work + scoring + topk)
+
+
+def _short_rows(shape: StepShape, rows: int) -> int:
+    """Rows of a chunk that :func:`kernels.indexer.score_rows_ref` may score as short runs
+    (``SHORT_SEGMENT_ROWS`` rows of a sequence at most): all of them when no query is longer,
+    else those of every sequence but one; none in decode steps (their own path)."""
+    if shape.max_query_len == 1:
+        return 0
+    if shape.max_query_len <= SHORT_SEGMENT_ROWS:
+        return rows
+    return min(rows, (shape.num_seqs - 1) * SHORT_SEGMENT_ROWS)
 
 
 def _indexer_chunks(shape: StepShape):
