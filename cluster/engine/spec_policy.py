@@ -650,7 +650,8 @@ class AdaptivePolicy(FixedPolicy):
         (+360 ms of a 1.75 s run, 0.92-0.98x of k = 0; issue 31)."""
         plain_s = max(self.plain.predict([1.0, float(num_seqs), 0.0]), 1e-6)
         if batch_after > num_seqs:
-            plain_s = min(plain_s, num_seqs * max(self.plain.predict([1.0, float(batch_after), 0.0]), 1e-6) / batch_after)
+            held_s = max(self.plain.predict([1.0, float(batch_after), 0.0]), 1e-6)
+            plain_s = min(plain_s, num_seqs * held_s / batch_after)
         return plain_s
 
     def _recheck_interval(self, num_seqs: int) -> int:

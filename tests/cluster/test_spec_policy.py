@@ -515,8 +515,9 @@ def test_steps_sent_ahead_count_as_cold_steps_of_their_own_batch_size():
 
 def _measured_policy(batches: list[int], a=0.005, b=0.0005, j=0.0005, v=0.0001) -> AdaptivePolicy:
     """An adaptive policy that has measured plain steps ``a + b B`` at ``batches`` (in turn), verify
-    steps adding ``j + v`` per draft (1, 2, 3 drafts a request in turn), draft passes, and requests ``r0..r31`` accepting their first,
-    second and third drafts at 0.6, 0.67, 0.5 (0, 1, 2, 3, 0 drafts accepted in turn)."""
+    steps adding ``j + v`` per draft (1, 2, 3 drafts a request in turn), draft passes, and requests
+    ``r0..r31`` accepting their first, second and third drafts at 0.6, 0.67, 0.5 (0, 1, 2, 3, 0
+    drafts accepted in turn)."""
     policy = AdaptivePolicy(3)
     for step in range(60):
         num = batches[step % len(batches)]
