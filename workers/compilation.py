@@ -57,6 +57,8 @@ from torch import nn
 
 from shardserve.kernels.ops import define_op
 from shardserve.workers.distributed import get_tp_group
+from shardserve.workers.model_source import cache_dir as shardserve_cache
+from shardserve.workers.model_source import keep_newest, mark_used
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,6 @@ COMPILED_FORWARDS_KEPT = 16   # compiled forwards kept on disk (the least recent
 def cache_dir() -> Path:
     """Where compiled forwards are kept: ``$SHARDSERVE_CACHE/inductor`` (default
     ``~/.cache/shardserve/inductor``)."""
-    from shardserve.workers.model_source import cache_dir as shardserve_cache
-
     return shardserve_cache() / "inductor"
 
 
@@ -244,10 +244,7 @@ def _load_compiled(key: str, forward: Callable):
     except Exception as exc:   # another torch or GPU, a truncated file: compile again, replace it
         logger.warning("compiled forward %s does not load (%s: %s): compiling again", path, type(exc).__name__, exc)
         return None
-    try:
-        os.utime(path)   # recently used: kept by the pruning in _save (a cache of another owner: not)
-    except OSError:
-        pass
+    mark_used(path)   # kept by the pruning in _save
     return compiled
 
 
@@ -378,9 +375,7 @@ class CompiledForward:
             compiled.save_compiled_function(str(staging / path.name))
             (staging / path.name).chmod(0o644)
             os.replace(staging / path.name, path)
-            saved = sorted(path.parent.glob("forward-*.bin"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
-            for old in saved[COMPILED_FORWARDS_KEPT:]:
-                old.unlink(missing_ok=True)
+            keep_newest(path.parent, "forward-*.bin", COMPILED_FORWARDS_KEPT)
         except Exception as exc:   # a read-only cache, a backend that does not serialize: keep it in memory
             logger.warning("compiled forward not saved to %s (%s: %s): the next start-up compiles again",
                            path, type(exc).__name__, exc)

@@ -40,6 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardserve.workers.model_source import cache_dir, keep_newest, mark_used
+
 # metadata value type -> struct format of one element (GGUF 8 = string, 9 = array are variable-length)
 _SCALAR_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                   12: "<d"}
@@ -198,8 +200,6 @@ def _converted(path: str, size: int, mtime_ns: int) -> dict:
     read back as such a conversion is parsed again and replaced."""
     from importlib.metadata import version
 
-    from shardserve.workers.model_source import cache_dir
-
     try:
         digest = _read_header(path, size, mtime_ns).digest
     except (OSError, GGUFHeaderError):   # transformers' parser says what is wrong with the file
@@ -211,10 +211,7 @@ def _converted(path: str, size: int, mtime_ns: int) -> dict:
     except (OSError, ValueError):
         converted = None
     if isinstance(converted, dict) and all(isinstance(converted.get(part), dict) for part in _PARTS):
-        try:
-            os.utime(stored)   # recently used: kept by the pruning below (a cache of another owner: not)
-        except OSError:
-            pass
+        mark_used(stored)   # kept by the pruning in _store
         return converted
     converted = _original_loader(path, return_tensors=False)
     _store(stored, converted)
@@ -239,9 +236,7 @@ def _store(stored: Path, converted: dict) -> None:
     try:
         temporary.chmod(0o644)
         os.replace(temporary, stored)
-        entries = sorted(stored.parent.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
-        for old in entries[METADATA_CACHE_ENTRIES:]:
-            old.unlink(missing_ok=True)
+        keep_newest(stored.parent, "*.json", METADATA_CACHE_ENTRIES)
     except OSError:
         temporary.unlink(missing_ok=True)
 

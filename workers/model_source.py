@@ -47,6 +47,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve")
 
 
+def mark_used(entry: Path) -> None:
+    """A cache entry was just read: its modification time becomes now, so that :func:`keep_newest`
+    keeps it (an entry this user may not touch, in a cache of another owner, is left as it is)."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+def keep_newest(folder: Path, pattern: str, count: int) -> None:
+    """Remove the entries of ``folder`` matching ``pattern`` beyond the ``count`` most recently
+    modified (written or :func:`mark_used`).
+
+    Raises:
+        OSError: an entry could not be read or removed.
+    """
+    entries = sorted(folder.glob(pattern), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
+    for old in entries[count:]:
+        old.unlink(missing_ok=True)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
     """A resolved model: ``path`` is a ``.gguf`` file or an HF folder; ``name`` is what users call it."""
