@@ -113,28 +113,50 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
 
 
-def host_memory_available() -> int:
+def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
     """Bytes this process can still allocate on the host: ``MemAvailable`` of ``/proc/meminfo``,
-    capped by a cgroup v2 memory limit when one is set (containers); 0 when unknown."""
+    capped by a cgroup v2 memory limit when one is set (containers); 0 when unknown.
+
+    Under a limit, what is left is ``memory.max - memory.current`` plus the cgroup's page cache
+    (``active_file + inactive_file`` of ``memory.stat``, which the kernel reclaims before it
+    refuses an allocation; ``MemAvailable`` counts it alike). ``memory.current`` alone counts every
+    file this container read or wrote: after a test run's installs and checkpoints it sits near the
+    limit, and a plan against ``max - current`` found no room for a 20 MiB model.
+
+    Args:
+        proc, cgroup: where procfs and the cgroup v2 hierarchy are mounted (tests point them at files).
+    """
     available = 0
     try:
-        with open("/proc/meminfo") as fh:
+        with open(f"{proc}/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024
                     break
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return 0
     try:
-        with open("/sys/fs/cgroup/memory.max") as fh:
+        with open(f"{cgroup}/memory.max") as fh:
             limit = fh.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as fh:
+        with open(f"{cgroup}/memory.current") as fh:
             used = int(fh.read().strip())
-        if limit != "max":
-            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        return available
+    if limit == "max":
+        return available
+    cache = 0
+    try:
+        with open(f"{cgroup}/memory.stat") as fh:
+            for line in fh:
+                key, _, value = line.partition(" ")
+                if key in ("active_file", "inactive_file"):
+                    cache += int(value)
     except (OSError, ValueError):
         pass
-    return available
+    try:
+        return min(available, max(0, int(limit) - used + cache))
+    except ValueError:
+        return available
 
 
 CPU_KERNEL_CACHE_ENTRIES = 32

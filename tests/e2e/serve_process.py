@@ -31,6 +31,15 @@ def http(url: str, body: dict | None = None, timeout: float = 120, key: str | No
         return err.code, json.loads(err.read() or b"null")
 
 
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file (CI shows a failed test's message, not the files
+    the test wrote)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
 def wait_for(what: str, check, timeout_s: float, period_s: float = 0.1):
     """Poll ``check()`` until it returns something truthy; returns it."""
     deadline = time.monotonic() + timeout_s
@@ -71,6 +80,9 @@ class ServeProcess:
         threading.Thread(target=lambda: self._lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
         try:
             wait_for("shardserve serve ready", self._ready, ready_timeout_s, period_s=0.5)
+        except TimeoutError as exc:
+            self.stop()
+            raise TimeoutError(f"{exc}; the last lines of {log_path}:\n{log_tail(log_path)}") from None
         except BaseException:
             self.stop()
             raise
@@ -79,7 +91,9 @@ class ServeProcess:
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"shardserve serve exited with {self.proc.returncode}; see {self._log.name}")
+            self._log.flush()
+            raise AssertionError(f"shardserve serve exited with {self.proc.returncode}; the last lines of "
+                                 f"{self._log.name}:\n{log_tail(self.log_path)}")
         return any("Press Ctrl-C to stop." in line for line in self._lines)
 
     def health(self) -> int:

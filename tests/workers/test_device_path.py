@@ -170,3 +170,27 @@ def test_device_and_dtype_rules():
         resolve_device("cuda", num_gpus=0)
     assert resolve_dtype("auto", "cuda") == torch.bfloat16 and resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("float16", "cpu") == torch.float16
+
+
+@pytest.mark.parametrize("limit, current, stat, expected_gib", [
+    (None, None, None, 20),                                        # no cgroup: MemAvailable
+    ("max", 30, "active_file 0\n", 20),                             # no limit set
+    (24, 23.5, "anon 3\nactive_file 12\ninactive_file 8.5\n", 20),  # page cache fills the limit: reclaimable
+    (24, 23.5, "anon 23\nactive_file 0.25\ninactive_file 0.25\n", 1),  # anonymous memory does not come back
+    (24, 20, None, 4),                                             # no memory.stat: max - current
+])
+def test_host_memory_available_counts_the_cgroups_page_cache(tmp_path, limit, current, stat, expected_gib):
+    from shardserve.workers.device import GIB, host_memory_available
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    cgroup.mkdir()
+    (proc / "meminfo").write_text(f"MemTotal: {32 * GIB // 1024} kB\nMemAvailable: {20 * GIB // 1024} kB\n")
+    gib = lambda value: str(int(float(value) * GIB))  # noqa: E731
+    if limit is not None:
+        (cgroup / "memory.max").write_text("max\n" if limit == "max" else gib(limit) + "\n")
+        (cgroup / "memory.current").write_text(gib(current) + "\n")
+    if stat is not None:
+        (cgroup / "memory.stat").write_text("".join(f"{key} {gib(value)}\n" for key, value in
+                                                    (line.split() for line in stat.splitlines())))
+    assert host_memory_available(str(proc), str(cgroup)) == expected_gib * GIB
