@@ -9,8 +9,10 @@ block for an MLP. Uneven weights follow llama.cpp's ``--tensor-split``: rank r g
 from __future__ import annotations
 
 
-def split_units(num_units: int, tp_size: int, weights: list[float] | None = None) -> list[tuple[int, int]]:
-    """Split ``num_units`` into ``tp_size`` contiguous ranges by relative ``weights``.
+def split_units(num_units: int, tp_size: int, weights: list[float] | None = None,
+                what: str = "units") -> list[tuple[int, int]]:
+    """Split ``num_units`` into ``tp_size`` contiguous ranges by relative ``weights``; ``what``
+    names the units in errors (``"KV heads"``: what a user can match against the model's config).
 
     Returns:
         ``[(start, count), ...]`` per rank, covering ``0..num_units`` in order.
@@ -25,7 +27,8 @@ def split_units(num_units: int, tp_size: int, weights: list[float] | None = None
     if any(w <= 0 for w in weights):
         raise ValueError(f"tensor split {weights}: every weight must be > 0")
     if num_units < tp_size:
-        raise ValueError(f"cannot split {num_units} units over {tp_size} ranks: each rank needs at least one")
+        raise ValueError(f"cannot split the model's {num_units} {what} over {tp_size} ranks: each rank needs at "
+                         f"least one (use a tensor-parallel size of at most {num_units})")
     total = sum(weights)
     # Cumulative boundaries rounded to whole units (largest-remainder by rounding the prefix sums).
     bounds = [0]
@@ -37,7 +40,7 @@ def split_units(num_units: int, tp_size: int, weights: list[float] | None = None
     ranges = [(bounds[r], bounds[r + 1] - bounds[r]) for r in range(tp_size)]
     if any(count <= 0 for _, count in ranges):
         raise ValueError(
-            f"tensor split {weights} over {num_units} units gives ranks {[c for _, c in ranges]} units: "
+            f"tensor split {weights} over {num_units} {what} gives ranks {[c for _, c in ranges]} units: "
             f"every rank needs at least one"
         )
     return ranges

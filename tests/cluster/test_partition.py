@@ -29,3 +29,8 @@ def test_split_units(units, tp, weights, expected):
 def test_bad_splits_are_config_errors(units, tp, weights, message):
     with pytest.raises(ValueError, match=message):
         split_units(units, tp, weights)
+
+
+def test_a_split_error_names_the_models_units():
+    with pytest.raises(ValueError, match=r"the model's 3 KV heads over 4 ranks: .* at most 3\)"):
+        split_units(3, 4, what="KV heads")

@@ -139,7 +139,7 @@ def test_bad_models_are_one_line(tmp_path, v32_fp8, capsys):
     code, _, err = run(capsys, unknown, "--gpu-memory-gib", 80)
     assert code == 2 and err.count("\n") == 1 and "unsupported architecture ['MysteryForCausalLM']" in err
     code, _, err = run(capsys, v32_fp8, "-tp", 256, "--gpu-memory-gib", 80)   # 128 heads over 256 ranks
-    assert code == 2 and err.count("\n") == 1 and "cannot split 128 units over 256 ranks" in err
+    assert code == 2 and err.count("\n") == 1 and "cannot split the model's 128 attention heads over 256 ranks" in err
     code, out, err = run(capsys, v32_fp8, "-tp", 3, "--gpu-memory-gib", 141, "--max-model-len", 8192, "--json")
     ranks = json.loads(out)["ranks"]   # uneven splits are allowed where serve allows them: 43 / 42 / 43 heads
     assert code == 2 and len(ranks) == 3 and ranks[0]["weight_bytes"] != ranks[1]["weight_bytes"]

@@ -98,7 +98,7 @@ class DeepseekModel(nn.Module):
         super().__init__()
         group, experts = get_tp_group(), get_expert_group()
         rank, size = group.tp_rank, group.tp_size
-        head_range = split_units(config.num_attention_heads, size, tensor_split)[rank]
+        head_range = split_units(config.num_attention_heads, size, tensor_split, "attention heads")[rank]
         # Data-parallel attention (issue 29): attention is split over this rank's attention group
         # (the TP group); everything else over all the replica's ranks (the expert group), with
         # tokens exchanged between the groups (workers/models/group_exchange.py, moe_exchange.py).

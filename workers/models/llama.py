@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         group = get_tp_group()
         rank, size = group.tp_rank, group.tp_size
-        kv_ranges = split_units(config.num_key_value_heads, size, tensor_split)
+        kv_ranges = split_units(config.num_key_value_heads, size, tensor_split, "KV heads")
         inter_ranges = split_rows(config.intermediate_size, size, tensor_split)   # whole groups of 32
         vocab_ranges = split_units(config.vocab_size, size, tensor_split)
         self.vocab_ranges = vocab_ranges

@@ -205,8 +205,8 @@ class Qwen3NextModel(nn.Module):
         super().__init__()
         group = get_tp_group()
         rank, size = group.tp_rank, group.tp_size
-        kv_range = split_units(config.num_key_value_heads, size, tensor_split)[rank]
-        k_range = split_units(config.linear_num_key_heads, size, tensor_split)[rank]
+        kv_range = split_units(config.num_key_value_heads, size, tensor_split, "KV heads")[rank]
+        k_range = split_units(config.linear_num_key_heads, size, tensor_split, "linear-attention key heads")[rank]
         self.vocab_ranges = split_units(config.vocab_size, size, tensor_split)
         rope = getattr(config, "rope_parameters", None) or {}
         rot_dim = int(config.head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
