@@ -19,10 +19,20 @@ from shardserve.cluster.ports import unused_port
 BIN = Path(sys.executable).parent   # this venv's console scripts (shardserve, ray, serve)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now that a starting Ray cluster will not take before the
-    server under test binds it (``cluster/ports.py``)."""
-    return unused_port("127.0.0.1")
+    server under test binds it (``cluster/ports.py``), and never one handed out before in this
+    test process: a server's ``--port``, ``--grpc-port`` and ``--replica-grpc-port`` were three
+    independent draws of a port that is free *now*, the same port twice about once in 4,000
+    starts, and the second server socket then failed to bind."""
+    while True:
+        port = unused_port("127.0.0.1")
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def run_ranks(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
