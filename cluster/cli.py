@@ -432,7 +432,8 @@ def _serve(ns: argparse.Namespace) -> int:
     ingress = resolve_ingress(ns.ingress, bool(ns.ssl_certfile))
     files = resolve_model(cfg.model)  # fetch a known model once, here, not in every replica
     if not ns.address:   # read by the Ray processes this starts; a joined cluster keeps its own
-        os.environ.update(ingress_env(ingress, local=True))
+        own_ports = {port for port in (ns.port, cfg.grpc_port, cfg.replica_grpc_port) if port}
+        os.environ.update(ingress_env(ingress, local=True, own_ports=own_ports))
         for name, value in controller_env().items():   # a value of the user's own stands
             os.environ.setdefault(name, value)
         _adopt_orphans()

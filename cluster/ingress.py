@@ -24,6 +24,8 @@ Beside the ingress, :func:`controller_env` sets how often Serve's controller run
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from shardserve.cluster.ports import unused_port
 
 INGRESS_CHOICES = ("auto", "haproxy", "serve-proxy")
@@ -62,14 +64,15 @@ def controller_env() -> dict[str, str]:
     return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": CONTROL_LOOP_S}
 
 
-def ingress_env(ingress: str, local: bool) -> dict[str, str]:
+def ingress_env(ingress: str, local: bool, own_ports: Collection[int] = ()) -> dict[str, str]:
     """Environment variables of Ray's processes for a resolved ingress (``haproxy`` or ``serve-proxy``).
 
     Args:
         ingress: the result of :func:`resolve_ingress`.
         local: a Ray cluster on this machine alone (``shardserve serve``): HAProxy's stats page and
             Prometheus exporter, which bind every interface on fixed ports (8404, 9101) by default,
-            get free ports instead, so two servers on one machine do not collide.
+            get free ports instead, so two servers on one machine do not collide: two different
+            ones, neither of ``own_ports`` (the ports the command binds itself, free now).
 
     Returns:
         Variables to set (empty for ``serve-proxy``: Ray's defaults).
@@ -79,6 +82,7 @@ def ingress_env(ingress: str, local: bool) -> dict[str, str]:
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAIN_S}
     if local:
-        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(unused_port(""))
-        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(unused_port(""))
+        stats = unused_port("", avoid=set(own_ports))
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(stats)
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(unused_port("", avoid={stats, *own_ports}))
     return env

@@ -152,6 +152,10 @@ def test_ingress_auto_is_haproxy_unless_https():
     assert local["RAY_SERVE_ENABLE_HA_PROXY"] == pods["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     # a local server's HAProxy stats page and exporter get free ports, not Ray's fixed 8404 / 9101
     assert {"RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"} <= local.keys() - pods.keys()
+    for _ in range(50):   # two different ports, neither one the command binds itself
+        env = ingress_env("haproxy", local=True, own_ports={20001, 20002})
+        ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+        assert len(ports) == 2 and not ports & {20001, 20002}
 
 
 def test_unused_ports_avoid_the_ranges_others_take_ports_from():
@@ -162,9 +166,11 @@ def test_unused_ports_avoid_the_ranges_others_take_ports_from():
     from shardserve.cluster.ports import _ephemeral_range, unused_port
 
     low, high = _ephemeral_range()
-    ports = {unused_port() for _ in range(20)}
+    ports = {unused_port() for _ in range(200)}
     assert all(20000 <= p <= 32767 and not low <= p <= high for p in ports), ports
+    assert not any(30000 <= p <= 31000 for p in ports), ports   # Ray Serve's direct-ingress HTTP ports
     assert len(ports) > 1   # random: two servers started together rarely pick the same one
+    assert unused_port(avoid=ports) not in ports
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))
 
