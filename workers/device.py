@@ -120,8 +120,8 @@ def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -
     Under a limit, what is left is ``memory.max - memory.current`` plus the cgroup's page cache
     (``active_file + inactive_file`` of ``memory.stat``, which the kernel reclaims before it
     refuses an allocation; ``MemAvailable`` counts it alike). ``memory.current`` alone counts every
-    file this container read or wrote: after a test run's installs and checkpoints it sits near the
-    limit, and a plan against ``max - current`` found no room for a 20 MiB model.
+    file the container read or wrote: after installs and checkpoint reads it can sit near the limit,
+    where a plan against ``max - current`` would find no room even for a tiny model.
 
     Args:
         proc, cgroup: where procfs and the cgroup v2 hierarchy are mounted (tests point them at files).
