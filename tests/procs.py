@@ -28,11 +28,9 @@ def free_port() -> int:
     test process: a server's ``--port``, ``--grpc-port`` and ``--replica-grpc-port`` were three
     independent draws of a port that is free *now*, the same port twice about once in 4,000
     starts, and the second server socket then failed to bind."""
-    while True:
-        port = unused_port("127.0.0.1")
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    port = unused_port("127.0.0.1", avoid=_HANDED_OUT)
+    _HANDED_OUT.add(port)
+    return port
 
 
 def run_ranks(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
